@@ -1,0 +1,137 @@
+"""A process's handle on the cache: the Redis index plus its node's store."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from shardcache import errors
+from shardcache.config import ClientConfig
+from shardcache.errors import ShardCacheError, ShardUnavailable
+from shardcache.index import RedisIndex
+
+__all__ = ["CacheClient", "DatasetSpec"]
+
+STORE_RETRIES = 3  # a restarted store is re-registered and asked again
+_ERRORS: dict[str, type[ShardCacheError]] = {
+    name: getattr(errors, name) for name in errors.__all__
+}
+
+DatasetSpec = dict[str, Any]  # name, protocol, storage_options, fingerprint, generation
+
+
+def raise_item_error(kind: str, message: str) -> None:
+    """Re-raise an error a store reported for one item as our own type."""
+    raise _ERRORS.get(kind, errors.BackendError)(message)
+
+
+class CacheClient:
+    """Talks to the index and to this node's store; one per process.
+
+    Args:
+        config: where Redis and Ray are. Nothing connects until first use.
+    """
+
+    def __init__(self, config: ClientConfig | None = None):
+        self.config = config or ClientConfig()
+        self._index: RedisIndex | None = None
+        self._redis_url: str | None = self.config.redis_url
+        self._store: Any = None
+        self._registered: dict[str, tuple[DatasetSpec, Callable[[bytes], Any]]] = {}
+
+    # -- connections -------------------------------------------------------------
+    @property
+    def redis_url(self) -> str:
+        if self._redis_url is None:
+            from shardcache.embedded import local_redis_url
+
+            self._redis_url = local_redis_url()
+        return self._redis_url
+
+    @property
+    def index(self) -> RedisIndex:
+        if self._index is None:
+            self._index = RedisIndex.from_url(self.redis_url, self.config.namespace)
+        return self._index
+
+    def attach(self) -> None:
+        """Join Ray and make sure every node has a store (idempotent)."""
+        from shardcache.embedded import attach_ray
+
+        attach_ray(self.config.ray_address)
+        if self._store is None:
+            self._store = self._start_stores()
+
+    def _start_stores(self) -> Any:
+        import ray
+
+        # The SDK does not depend on the services package, except here: the
+        # embedded default starts the stores itself when nobody deployed them.
+        from shardcache_server.cluster import ensure_stores
+        from shardcache_server.settings import ServiceSettings
+
+        settings = ServiceSettings(redis_url=self.redis_url, namespace=self.config.namespace)
+        handles = ensure_stores(settings)
+        node = ray.get_runtime_context().get_node_id()
+        if node not in handles:
+            raise ShardUnavailable(f"no cache store on this process's Ray node {node}.")
+        return handles[node]
+
+    # -- datasets ---------------------------------------------------------------
+    def register(self, spec: DatasetSpec, preprocess: Callable[[bytes], Any]) -> None:
+        """Hand the dataset's fetch settings and preprocess to the stores."""
+        import ray
+
+        self.attach()
+        self._registered[spec["name"]] = (spec, preprocess)
+        self._call(lambda: ray.get(self._store.register.remote(spec, preprocess),
+                                   timeout=self.config.request_timeout_s))
+
+    def get_refs(self, name: str, generation: int, items: Sequence[tuple[str, str, int]]) -> list[tuple[str, Any]]:
+        """One store call for a batch: ``(status, ObjectRef)`` per item.
+
+        Raises:
+            StaleVersionError: ``generation`` was invalidated meanwhile.
+            PreprocessError, RemoteFetchError, ...: the first failing item's error.
+            ShardUnavailable: the store did not come back.
+        """
+        import ray
+
+        self.attach()
+        for attempt in range(STORE_RETRIES + 1):
+            results = self._call(lambda: ray.get(
+                self._store.get.remote(name, generation, list(items)),
+                timeout=self.config.request_timeout_s))
+            if results and results[0][0] == "unregistered":
+                spec, fn = self._registered[name]
+                spec = {**spec, "generation": generation}
+                self._call(lambda spec=spec, fn=fn: ray.get(self._store.register.remote(spec, fn)))
+                continue
+            for res in results:
+                if res[0] == "error":
+                    raise_item_error(res[1], res[2])
+            return [(r[0], r[1]) for r in results]
+        raise ShardUnavailable(f"the store kept losing dataset {name!r}; see the store logs.")
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        import ray
+
+        last: Exception | None = None
+        for attempt in range(STORE_RETRIES + 1):
+            try:
+                return fn()
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                # The store died: Ray restarts it (max_restarts) or we start a
+                # new one; either way it has lost its cache and re-fetches.
+                last = exc
+                time.sleep(min(2.0, 0.2 * 2**attempt))
+                self._store = self._start_stores()
+                for spec, fn_pre in self._registered.values():
+                    ray.get(self._store.register.remote(spec, fn_pre))
+            except ray.exceptions.GetTimeoutError as exc:
+                raise ShardUnavailable(
+                    f"the cache store did not answer within {self.config.request_timeout_s:.0f}s. "
+                    "Raise SHARDCACHE_REQUEST_TIMEOUT_S or check the source's latency."
+                ) from exc
+        raise ShardUnavailable(f"the cache store on this node keeps failing: {last}") from last

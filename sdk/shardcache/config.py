@@ -1,0 +1,55 @@
+"""Client-side configuration: explicit kwargs beat ``SHARDCACHE_*`` env, env beats defaults."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shardcache.keys import DEFAULT_NAMESPACE, validate_name
+
+__all__ = ["ClientConfig"]
+
+DEFAULT_PREFETCH_BATCHES = 4  # enough to hide one store round trip per batch
+DEFAULT_REQUEST_TIMEOUT_S = 300.0  # a cold batch may wait on slow object reads
+
+
+class ClientConfig(BaseSettings):
+    """Where a training process finds the cache.
+
+    Args:
+        redis_url: Redis index URL (``redis://`` or ``rediss://``). ``None`` starts
+            or finds the embedded local Redis. Defaults to ``None``.
+        ray_address: Ray cluster address. ``None`` attaches to the cluster this
+            process already joined, or a running local one, or starts one.
+            Defaults to ``None``.
+        namespace: deployment namespace; prefixes every Redis key and names the
+            Ray namespace of the store actors, so tenants sharing one Redis are
+            isolated. Defaults to ``"default"``.
+        prefetch_batches: batches whose object references are resolved ahead
+            of the training loop. Defaults to ``4``.
+        request_timeout_s: how long one batch may wait for the stores.
+            Defaults to ``300``.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="SHARDCACHE_", extra="ignore")
+
+    redis_url: str | None = None
+    ray_address: str | None = None
+    namespace: str = DEFAULT_NAMESPACE
+    prefetch_batches: int = Field(default=DEFAULT_PREFETCH_BATCHES, ge=0)
+    request_timeout_s: float = Field(default=DEFAULT_REQUEST_TIMEOUT_S, gt=0)
+
+    @field_validator("namespace")
+    @classmethod
+    def _check_namespace(cls, value: str) -> str:
+        return validate_name("namespace", value)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(
+                f"redis_url must start with redis://, rediss:// or unix://, got "
+                f"scheme {value.split(':', 1)[0]!r}. Set SHARDCACHE_REDIS_URL."
+            )
+        return value

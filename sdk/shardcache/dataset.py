@@ -1,0 +1,393 @@
+"""DistributedCachedDataset: a map-style Dataset whose samples come from the cluster cache."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from shardcache.client import CacheClient
+from shardcache.config import ClientConfig
+from shardcache.decoders import raw_bytes
+from shardcache.errors import (
+    BackendError,
+    ConfigError,
+    IndexUnavailable,
+    StaleVersionError,
+    TransformError,
+)
+from shardcache.fingerprint import fingerprint
+from shardcache.keys import validate_name
+from shardcache.sampler import ShardSampler
+from shardcache.source import Manifest, list_source
+from shardcache.waits import WaitRecorder
+from shardcache.world import World
+
+__all__ = ["DistributedCachedDataset"]
+
+RANK_REPORT_EVERY = 50  # batches between best-effort rank reports to Redis
+# Arrays from the Ray object store are read-only views of shared memory; torch
+# warns about each one. The dataset documents the contract instead.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+def default_name(urls: str | Sequence[str]) -> str:
+    """A readable, stable dataset name derived from the URL(s).
+
+    >>> default_name("s3://bucket/train/")
+    'bucket-train-6d5bd2b7'
+    """
+    first = urls if isinstance(urls, str) else "|".join(urls)
+    stem = urls if isinstance(urls, str) else urls[0]
+    words = re.sub(r"[^A-Za-z0-9]+", "-", stem.split("://", 1)[-1]).strip("-")[:60] or "data"
+    return f"{words}-{hashlib.sha256(first.encode()).hexdigest()[:8]}"
+
+
+def _to_tensor(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: torch.from_numpy(v) for k, v in value.items()}
+    return torch.from_numpy(value)
+
+
+class DistributedCachedDataset(Dataset[Any]):
+    """Every DDP rank reads a stable shard of a remote dataset from its node's cache.
+
+    What to read:
+        urls: an fsspec prefix, glob, or list of object URLs.
+        preprocess: deterministic ``bytes -> array | tensor | dict`` run once per
+            object on the cluster. Its fingerprint versions the cache.
+            Defaults to the raw bytes as uint8.
+        transform: per-sample augmentation on the rank, after the cache.
+        storage_options: passed to fsspec (e.g. an S3 endpoint).
+        name: dataset namespace in the index. Defaults to one derived from ``urls``.
+
+    Where the cache is:
+        redis_url, ray_address: ``None`` uses the embedded local defaults.
+        namespace: deployment namespace. Defaults to ``SHARDCACHE_NAMESPACE`` or "default".
+
+    How ranks split it:
+        rank, world_size: default from torch.distributed, else RANK/WORLD_SIZE, else 0/1.
+        shuffle: ``True`` (stable shard, reshuffled inside each epoch),
+            ``"global"`` (DistributedSampler's global permutation) or ``False``.
+        seed, drop_last: as for DistributedSampler.
+        prefetch_batches: batches whose references are resolved ahead.
+
+    Samples are torch tensors viewing the Ray object store without a copy.
+    They are read-only: a transform that writes in place must ``.clone()`` first.
+
+    Raises:
+        ConfigError: bad arguments (rank out of range, world_size < 1, bad URL).
+        EmptyDatasetError: the source lists nothing.
+        SourceNotFound: the bucket or prefix does not exist.
+        IndexUnavailable: Redis cannot be reached.
+    """
+
+    def __init__(self, urls: str | Sequence[str], preprocess: Callable[[bytes], Any] | None = None,
+                 transform: Callable[[Any], Any] | None = None, *,
+                 storage_options: dict[str, Any] | None = None, redis_url: str | None = None,
+                 ray_address: str | None = None, rank: int | None = None,
+                 world_size: int | None = None, shuffle: bool | str = True, seed: int = 0,
+                 drop_last: bool = False, name: str | None = None, namespace: str | None = None,
+                 prefetch_batches: int | None = None, job: str | None = None):
+        if preprocess is not None and not callable(preprocess):
+            raise ConfigError(f"preprocess must be callable or None, got {type(preprocess).__name__}.")
+        if transform is not None and not callable(transform):
+            raise ConfigError(f"transform must be callable or None, got {type(transform).__name__}.")
+        overrides = {k: v for k, v in {"redis_url": redis_url, "ray_address": ray_address,
+                                       "namespace": namespace,
+                                       "prefetch_batches": prefetch_batches}.items() if v is not None}
+        try:
+            self.config = ClientConfig(**overrides)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        world = World.detect()
+        self.rank = world.rank if rank is None else rank
+        self.world_size = world.world_size if world_size is None else world_size
+        self.name = validate_name("name", name) if name is not None else default_name(urls)
+        self.urls, self.storage_options = urls, dict(storage_options or {})
+        self.preprocess = preprocess or raw_bytes
+        self.transform = transform
+        self.job = job or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SHARDCACHE_JOB") or "job"
+        self.manifest: Manifest = list_source(urls, self.storage_options)
+        self._sampler = ShardSampler([o.url for o in self.manifest.objects], self.rank, self.world_size,
+                                     shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self.fingerprint = fingerprint(self.preprocess)
+        self._client = CacheClient(self.config)
+        self.generation = self._register_in_index()
+        self._reset_process_state()
+
+    # -- setup --------------------------------------------------------------------
+    def _register_in_index(self) -> int:
+        index = self._client.index
+        total = sum(o.size for o in self.manifest.objects)
+        source = self.urls if isinstance(self.urls, str) else f"{len(self.urls)} urls"
+        generation = index.register(self.name, source, self.fingerprint, len(self.manifest), total)
+        # A changed ETag invalidates exactly the changed objects.
+        index.invalidate_changed(self.name, generation, {o.url: o.etag for o in self.manifest.objects})
+        return generation
+
+    def _reset_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._attached = False
+        self._refs: dict[int, Any] = {}
+        self._refs_generation = -1
+        self._pending: dict[int, Future[None]] = {}
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._waits = WaitRecorder()
+        self._counts = {"hits": 0, "misses": 0, "remote_reads": 0, "bytes": 0, "samples": 0}
+        self._consumed = 0
+        self._cursor = 0
+        self._batch_size = 0
+        self._index_errors = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DataLoader workers get the small description, never the refs or locks:
+        # each worker attaches lazily and the cache itself is not copied.
+        state = self.__dict__.copy()
+        for k in ("_refs", "_pending", "_prefetcher", "_lock", "_client"):
+            state.pop(k, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._client = CacheClient(self.config)
+        self._reset_process_state()
+
+    def _attach(self) -> None:
+        if self._attached and self._pid == os.getpid():
+            return
+        if self._pid != os.getpid():
+            self._client = CacheClient(self.config)
+            self._reset_process_state()
+        spec = {"name": self.name, "protocol": self.manifest.protocol,
+                "storage_options": self.storage_options, "fingerprint": self.fingerprint,
+                "generation": self.generation}
+        self._client.register(spec, self.preprocess)
+        self._attached = True
+
+    # -- Dataset protocol -----------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.manifest)
+
+    @property
+    def sampler(self) -> ShardSampler:
+        """Use as ``DataLoader(ds, sampler=ds.sampler)``; ``len`` is this rank's share."""
+        return self._sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch``: reshuffle this rank's order and report last epoch's waits."""
+        self._report_rank()
+        self._sampler.set_epoch(epoch)
+        self._consumed = 0
+        self._cursor = 0
+        self._waits.reset()
+
+    def __getitem__(self, idx: int) -> Any:
+        return self.__getitems__([idx])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """Fetch a whole batch: one store call for its misses, one ``ray.get``."""
+        import ray
+
+        started = time.perf_counter()
+        self._attach()
+        indices = [int(i) for i in indices]
+        for attempt in range(3):
+            generation = self._current_generation()
+            try:
+                self._ensure_refs(indices, generation)
+                values = ray.get([self._refs[i] for i in indices],
+                                 timeout=self.config.request_timeout_s)
+                break
+            except StaleVersionError:
+                if attempt == 2:
+                    raise
+                self.generation = -1  # force a re-read; never mix generations in a batch
+        samples = [self._apply_transform(i, _to_tensor(v)) for i, v in zip(indices, values)]
+        self._waits.record(time.perf_counter() - started)
+        self._counts["samples"] += len(indices)
+        self._consumed += len(indices)
+        self._batch_size = self._batch_size or len(indices)
+        self._cursor += len(indices)
+        self._schedule_prefetch()
+        if self._waits.batches % RANK_REPORT_EVERY == 0:
+            self._report_rank()
+        return samples
+
+    def _apply_transform(self, idx: int, sample: Any) -> Any:
+        if self.transform is None:
+            return sample
+        try:
+            return self.transform(sample)
+        except Exception as exc:  # user code
+            raise TransformError(
+                f"transform {getattr(self.transform, '__qualname__', self.transform)!r} raised "
+                f"{type(exc).__name__} on {self.manifest.objects[idx].url!r}: {exc}"
+            ) from exc
+
+    # -- references ---------------------------------------------------------------
+    def _current_generation(self) -> int:
+        try:
+            generation = self._client.index.generation(self.name)
+        except IndexUnavailable:
+            # Redis down: keep serving what we hold under the last known
+            # generation; counted so the outage is visible in stats().
+            self._index_errors += 1
+            generation = self.generation
+        if generation <= 0:
+            generation = self._register_in_index()
+        if generation != self._refs_generation:
+            with self._lock:
+                self._refs.clear()
+                self._refs_generation = generation
+        self.generation = generation
+        return generation
+
+    def _ensure_refs(self, indices: Sequence[int], generation: int) -> None:
+        waiting = [self._pending[i] for i in indices if i not in self._refs and i in self._pending]
+        for fut in waiting:
+            fut.result()
+        missing = sorted({i for i in indices if i not in self._refs})
+        if missing:
+            self._resolve(missing, generation)
+
+    def _resolve(self, indices: list[int], generation: int) -> None:
+        objs = self.manifest.objects
+        results = self._client.get_refs(self.name, generation, [(objs[i].url, objs[i].etag, objs[i].size) for i in indices])
+        with self._lock:
+            if generation != self._refs_generation:
+                return
+            for i, (status, ref) in zip(indices, results):
+                self._refs[i] = ref
+                if status == "fetched":
+                    self._counts["misses"] += 1
+                    self._counts["remote_reads"] += 1
+                else:
+                    self._counts["hits"] += 1
+                self._counts["bytes"] += objs[i].size
+
+    def _schedule_prefetch(self) -> None:
+        """Resolve the references of the next batches in the background."""
+        if not self.config.prefetch_batches or not self._batch_size:
+            return
+        order = self._sampler.order()
+        window = order[self._cursor:self._cursor + self.config.prefetch_batches * self._batch_size]
+        todo = [int(i) for i in window if int(i) not in self._refs and int(i) not in self._pending]
+        if not todo:
+            return
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="shardcache-prefetch")
+        generation = self._refs_generation
+        fut = self._prefetcher.submit(self._prefetch, todo, generation)
+        for i in todo:
+            self._pending[i] = fut
+
+    def _prefetch(self, indices: list[int], generation: int) -> None:
+        import ray
+
+        try:
+            self._resolve(indices, generation)
+            refs = [self._refs[i] for i in indices if i in self._refs]
+            # Start pulling remote objects to this node now (global shuffle).
+            ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)
+        except (BackendError, StaleVersionError):
+            pass  # the foreground path retries and raises with full context
+        finally:
+            for i in indices:
+                self._pending.pop(i, None)
+
+    # -- stats, state, invalidation ---------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """This rank's counters and wait percentiles, plus the dataset's cluster totals."""
+        out: dict[str, Any] = {"rank": self.rank, "dataset": self.name,
+                               "generation": self.generation, **self._counts,
+                               "batches": self._waits.batches, "index_errors": self._index_errors,
+                               **self._waits.summary()}
+        total = out["hits"] + out["misses"]
+        out["hit_rate"] = out["hits"] / total if total else 0.0
+        try:
+            cluster = self._client.index.stats(self.name)
+            out["cluster"] = {"hits": cluster.hits, "misses": cluster.misses,
+                              "remote_reads": cluster.remote_reads, "hit_rate": cluster.hit_rate}
+        except IndexUnavailable:
+            out["cluster"] = None
+        return out
+
+    def _report_rank(self) -> None:
+        if self._waits.batches == 0:
+            return
+        report = {**self._counts, **self._waits.summary(), "batches": self._waits.batches,
+                  "epoch": self._sampler.epoch, "generation": self.generation, "ts": time.time()}
+        try:
+            self._client.index.record_rank(self.name, self.job, self.rank, report)
+        except IndexUnavailable:
+            self._index_errors += 1
+
+    def invalidate(self) -> int:
+        """Start a new generation now; the next batch re-fetches. Returns it."""
+        self.generation = self._client.index.invalidate(self.name)
+        return self.generation
+
+    def refresh(self) -> list[str]:
+        """Re-list the source; objects whose ETag changed are re-fetched. Returns them."""
+        manifest = list_source(self.urls, self.storage_options)
+        if [o.url for o in manifest.objects] != [o.url for o in self.manifest.objects]:
+            raise ConfigError(
+                f"the set of objects under {self.urls!r} changed ({len(self.manifest)} -> "
+                f"{len(manifest)}); build a new DistributedCachedDataset so every rank "
+                "agrees on the shards."
+            )
+        self.manifest = manifest
+        return self._client.index.invalidate_changed(
+            self.name, self.generation, {o.url: o.etag for o in manifest.objects})
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """Where this rank is; ``consumed`` overrides the count seen by this process
+        (pass it when DataLoader workers fetch, e.g. ``batches_done * batch_size``)."""
+        return {"epoch": self._sampler.epoch,
+                "consumed": self._consumed if consumed is None else int(consumed),
+                "manifest": self.manifest.digest, **self._sampler.state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume mid-epoch: the next iteration yields exactly the unseen samples.
+
+        Raises:
+            ConfigError: the state belongs to another dataset, rank or world size.
+        """
+        mine = self._sampler.state()
+        for key in ("seed", "rank", "world_size", "mode"):
+            if state.get(key) != mine[key]:
+                raise ConfigError(f"state_dict has {key}={state.get(key)!r} but this dataset has "
+                                  f"{mine[key]!r}; resume with the same settings.")
+        if state.get("manifest") != self.manifest.digest:
+            raise ConfigError("state_dict was saved for a different listing of the source; "
+                              "the objects changed, so the shards would not match.")
+        self._sampler.resume(int(state["epoch"]), int(state["consumed"]))
+        self._consumed = int(state["consumed"])
+        self._cursor = int(state["consumed"])
+
+    def cached_locality(self) -> dict[str, int]:
+        """How many of this rank's shard objects are cached on each node (from the index)."""
+        urls = {self.manifest.objects[int(i)].url for i in self._sampler.shard}
+        entries = self._client.index.entries(self.name, self.generation, urls)
+        out: dict[str, int] = {}
+        for e in entries.values():
+            out[str(e.get("owner"))] = out.get(str(e.get("owner")), 0) + 1
+        return out
+
+    def close(self) -> None:
+        """Report final stats and stop the prefetch thread."""
+        self._report_rank()
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True)
+            self._prefetcher = None

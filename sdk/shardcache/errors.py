@@ -1,0 +1,89 @@
+"""Exception hierarchy:
+
+* ShardCacheError
+  + ConfigError(ShardCacheError, ValueError)   bad argument or setting, raised at construction
+  + EmptyDatasetError(ConfigError)             the source listing matched no object
+  + CacheMiss(ShardCacheError, KeyError)       key absent and fetch disabled
+  + StaleVersionError(ShardCacheError)         object changed upstream during read
+  + PreprocessError(ShardCacheError)           the user's preprocess raised or returned a non-array
+  + TransformError(ShardCacheError)            the user's per-sample transform raised
+  + BackendError(ShardCacheError)              wraps redis / botocore / ray errors (see __cause__)
+    - IndexUnavailable                         Redis unreachable, wrong password, bad URL
+    - RemoteFetchError                         the object source failed after retries
+      . SourceNotFound(RemoteFetchError, FileNotFoundError)
+      . CorruptObjectError                     size or checksum differs from the listing
+    - ShardUnavailable                         a cache store actor is gone or Ray is down
+
+Mixing in the builtin lets callers keep writing ``except KeyError`` or
+``except ValueError`` (redis-py does the same with ``LockError``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendError",
+    "CacheMiss",
+    "ConfigError",
+    "CorruptObjectError",
+    "EmptyDatasetError",
+    "IndexUnavailable",
+    "PreprocessError",
+    "RemoteFetchError",
+    "ShardCacheError",
+    "ShardUnavailable",
+    "SourceNotFound",
+    "StaleVersionError",
+    "TransformError",
+]
+
+
+class ShardCacheError(Exception):
+    """Base class of every error shardcache raises on purpose."""
+
+
+class ConfigError(ShardCacheError, ValueError):
+    """A bad argument or setting, detected at construction."""
+
+
+class EmptyDatasetError(ConfigError):
+    """The source URL is valid but lists no object."""
+
+
+class CacheMiss(ShardCacheError, KeyError):
+    """The key is not cached and fetching was disabled."""
+
+
+class StaleVersionError(ShardCacheError):
+    """The source object changed between listing and read."""
+
+
+class PreprocessError(ShardCacheError):
+    """The preprocess callable failed for one object (named in the message)."""
+
+
+class TransformError(ShardCacheError):
+    """The per-sample transform failed on the rank."""
+
+
+class BackendError(ShardCacheError):
+    """A dependency (Redis, the object source, Ray) failed; see ``__cause__``."""
+
+
+class IndexUnavailable(BackendError):
+    """The Redis index cannot be reached or refused our credentials."""
+
+
+class RemoteFetchError(BackendError):
+    """Reading the source object failed after the retry budget was spent."""
+
+
+class SourceNotFound(RemoteFetchError, FileNotFoundError):
+    """The bucket, prefix or object does not exist."""
+
+
+class CorruptObjectError(RemoteFetchError):
+    """The bytes read do not match the size or checksum from the listing."""
+
+
+class ShardUnavailable(BackendError):
+    """A cache store actor is unreachable or Ray is not running."""

@@ -1,0 +1,1 @@
+"""shardcache_server: the cluster side of shardcache."""

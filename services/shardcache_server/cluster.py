@@ -1,0 +1,62 @@
+"""Find or start the store actors: one per alive Ray node."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardcache.errors import ShardUnavailable
+
+from shardcache_server.settings import ServiceSettings
+from shardcache_server.shard import ray_namespace, start_shard, store_name
+
+__all__ = ["alive_nodes", "ensure_stores", "kill_stores", "store_for_node"]
+
+STORE_START_TIMEOUT_S = 120.0  # a fresh worker process on a loaded 2-core node
+
+
+def alive_nodes() -> list[str]:
+    import ray
+
+    return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+
+
+def ensure_stores(settings: ServiceSettings, *, wait: bool = True) -> dict[str, Any]:
+    """Start a store on every alive node that has none; return node -> handle.
+
+    Raises:
+        ShardUnavailable: a store did not come up in time.
+    """
+    import ray
+
+    handles = {node: start_shard(settings, node) for node in alive_nodes()}
+    if wait:
+        try:
+            ray.get([h.ping.remote() for h in handles.values()], timeout=STORE_START_TIMEOUT_S)
+        except ray.exceptions.RayError as exc:
+            raise ShardUnavailable(
+                f"cache stores did not start within {STORE_START_TIMEOUT_S:.0f}s: "
+                f"{type(exc).__name__}. Check `ray status` and the store logs."
+            ) from exc
+    return handles
+
+
+def store_for_node(namespace: str, node_id: str) -> Any | None:
+    import ray
+
+    try:
+        return ray.get_actor(store_name(node_id), namespace=ray_namespace(namespace))
+    except ValueError:
+        return None
+
+
+def kill_stores(namespace: str) -> int:
+    """Kill every store of a deployment (tests, ``shardcache local stop``)."""
+    import ray
+
+    killed = 0
+    for node in alive_nodes():
+        handle = store_for_node(namespace, node)
+        if handle is not None:
+            ray.kill(handle, no_restart=True)
+            killed += 1
+    return killed

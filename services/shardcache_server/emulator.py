@@ -1,0 +1,178 @@
+"""A local S3 for the demo, tests and benchmarks: moto's server plus a counting,
+fault-injecting WSGI layer, so GETs are counted where they arrive.
+
+Loopback only. Control it in-process (``emulator.faults``) or over HTTP from
+another process: ``GET /_emulator/stats``, ``POST /_emulator/faults`` (JSON),
+``POST /_emulator/reset``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+from urllib.parse import unquote
+
+from werkzeug.serving import BaseWSGIServer, make_server
+
+__all__ = ["FaultPlan", "S3Emulator"]
+
+Environ = dict[str, Any]
+StartResponse = Callable[..., Any]
+
+
+@dataclass
+class FaultPlan:
+    """What share of object GETs fail, and how (seeded, so runs repeat).
+
+    Args:
+        error_rate: share of GETs answered with ``error_status``.
+        error_status: 503 (SlowDown), 500 (InternalError).
+        latency_s: added before the first byte of every GET.
+        truncate_rate: share of GETs whose body is cut in half (corruption).
+        seed: the random stream deciding which requests fail.
+    """
+
+    error_rate: float = 0.0
+    error_status: int = 503
+    latency_s: float = 0.0
+    truncate_rate: float = 0.0
+    seed: int = 0
+
+
+_ERROR_BODY = {
+    503: b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>",
+    500: b"<Error><Code>InternalError</Code><Message>We encountered an internal error.</Message></Error>",
+}
+
+
+class S3Emulator:
+    """moto's S3 on ``127.0.0.1:port`` with request counting and fault injection.
+
+    >>> emu = S3Emulator().start()
+    >>> emu.endpoint_url.startswith("http://127.0.0.1:")
+    True
+    >>> emu.stop()
+    """
+
+    def __init__(self, port: int = 0):
+        self.port = port
+        self.gets: Counter[str] = Counter()
+        self.requests = 0
+        self.faults = FaultPlan()
+        self._rng = random.Random(0)
+        self._lock = threading.Lock()
+        self._server: BaseWSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def storage_options(self) -> dict[str, Any]:
+        """fsspec/s3fs options that point at this emulator with fake credentials."""
+        return {"key": "testing", "secret": "testing",
+                "client_kwargs": {"endpoint_url": self.endpoint_url}}
+
+    def start(self) -> S3Emulator:
+        from moto.moto_server.werkzeug_app import (
+            DomainDispatcherApplication,
+            MotoRequestHandler,
+            create_backend_app,
+        )
+
+        moto_app = DomainDispatcherApplication(create_backend_app)
+        self._server = make_server("127.0.0.1", self.port, self._wrap(moto_app), threaded=True,
+                                   request_handler=MotoRequestHandler)
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.gets.clear()
+            self.requests = 0
+
+    def set_faults(self, plan: FaultPlan) -> None:
+        with self._lock:
+            self.faults = plan
+            self._rng = random.Random(plan.seed)
+
+    @property
+    def total_gets(self) -> int:
+        return sum(self.gets.values())
+
+    def _wrap(self, app: Callable[[Environ, StartResponse], Iterable[bytes]]) -> Callable[..., Any]:
+        def middleware(environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
+            path = environ.get("PATH_INFO", "")
+            if path.startswith("/_emulator/"):
+                return self._control(environ, start_response, path)
+            method = environ.get("REQUEST_METHOD", "GET")
+            query = environ.get("QUERY_STRING", "")
+            is_object_get = method == "GET" and path.count("/") >= 2 and "list-type" not in query
+            with self._lock:
+                self.requests += 1
+                plan = self.faults
+                roll = self._rng.random()
+                truncate = self._rng.random() < plan.truncate_rate
+                if is_object_get:
+                    self.gets[unquote(path)] += 1
+            if not is_object_get:
+                return app(environ, start_response)
+            if plan.latency_s:
+                time.sleep(plan.latency_s)
+            if roll < plan.error_rate:
+                body = _ERROR_BODY.get(plan.error_status, _ERROR_BODY[500])
+                start_response(f"{plan.error_status} Error",
+                               [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
+                return [body]
+            if truncate:
+                return self._truncated(app, environ, start_response)
+            return app(environ, start_response)
+
+        return middleware
+
+    def _truncated(self, app: Callable[..., Iterable[bytes]], environ: Environ,
+                   start_response: StartResponse) -> Iterable[bytes]:
+        captured: dict[str, Any] = {}
+
+        def capture(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            captured["status"], captured["headers"] = status, headers
+            return lambda _data: None
+
+        body = b"".join(app(environ, capture))
+        half = body[: len(body) // 2]
+        headers = [(k, str(len(half)) if k.lower() == "content-length" else v)
+                   for k, v in captured["headers"]]
+        start_response(captured["status"], headers)
+        return [half]
+
+    def _control(self, environ: Environ, start_response: StartResponse, path: str) -> Iterable[bytes]:
+        if path == "/_emulator/stats":
+            with self._lock:
+                body = json.dumps({"gets": dict(self.gets), "total_gets": self.total_gets,
+                                   "requests": self.requests, "faults": asdict(self.faults)})
+        elif path == "/_emulator/faults" and environ.get("REQUEST_METHOD") == "POST":
+            size = int(environ.get("CONTENT_LENGTH") or 0)
+            self.set_faults(FaultPlan(**json.loads(environ["wsgi.input"].read(size) or b"{}")))
+            body = json.dumps(asdict(self.faults))
+        elif path == "/_emulator/reset" and environ.get("REQUEST_METHOD") == "POST":
+            self.reset_counts()
+            body = "{}"
+        else:
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"unknown emulator endpoint"]
+        data = body.encode()
+        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
+        return [data]

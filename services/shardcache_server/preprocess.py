@@ -1,0 +1,85 @@
+"""Named preprocessors for the CLI and chart, and the checks every result passes.
+
+A result is stored in the Ray object store as a numpy array or a dict of
+arrays, so readers get zero-copy views. Object arrays are refused: they would
+be pickled, and a cache must never hold pickles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from shardcache.decoders import decode_image, decode_image_chw, raw_bytes
+from shardcache.errors import ConfigError, PreprocessError
+
+__all__ = ["PREPROCESSORS", "describe", "get_preprocessor", "run_preprocess"]
+
+
+PREPROCESSORS: dict[str, Callable[[bytes], Any]] = {
+    "raw": raw_bytes,
+    "decode_image": decode_image,
+    "decode_image_chw": decode_image_chw,
+}
+
+
+def get_preprocessor(name: str) -> Callable[[bytes], Any]:
+    """Look up a named preprocessor.
+
+    Raises:
+        ConfigError: unknown name; the message lists the valid ones.
+    """
+    try:
+        return PREPROCESSORS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown preprocess {name!r}; choose one of {', '.join(sorted(PREPROCESSORS))}."
+        ) from None
+
+
+def _to_array(value: Any, url: str, field: str = "") -> np.ndarray:
+    where = f"{url!r}" + (f" field {field!r}" if field else "")
+    if type(value).__module__.startswith("torch"):
+        value = value.detach().cpu().contiguous().numpy()
+    if not isinstance(value, np.ndarray):
+        raise PreprocessError(
+            f"preprocess returned {type(value).__name__} for {where}; it must return a "
+            "numpy array, a torch tensor, or a dict of them."
+        )
+    if value.dtype.hasobject:
+        raise PreprocessError(
+            f"preprocess returned an object-dtype array for {where}; use a numeric dtype "
+            "(object arrays would need pickling)."
+        )
+    return np.ascontiguousarray(value)
+
+
+def run_preprocess(fn: Callable[[bytes], Any], data: bytes, url: str) -> np.ndarray | dict[str, np.ndarray]:
+    """Run ``fn`` on one object's bytes and normalise the result.
+
+    Raises:
+        PreprocessError: ``fn`` raised (the message names ``url``) or returned
+            something that is not an array, tensor or dict of them.
+    """
+    try:
+        value = fn(data)
+    except Exception as exc:  # user code: any exception is the user's to see
+        raise PreprocessError(
+            f"preprocess {getattr(fn, '__qualname__', fn)!r} raised {type(exc).__name__} "
+            f"for {url!r}: {exc}. Nothing was cached for this object."
+        ) from exc
+    if isinstance(value, dict):
+        if not value or not all(isinstance(k, str) for k in value):
+            raise PreprocessError(f"preprocess returned a dict without string keys for {url!r}.")
+        return {k: _to_array(v, url, k) for k, v in value.items()}
+    return _to_array(value, url)
+
+
+def describe(value: np.ndarray | dict[str, np.ndarray]) -> dict[str, Any]:
+    """Shape, dtype and size of a stored value, for the index entry."""
+    if isinstance(value, dict):
+        return {"nbytes": int(sum(v.nbytes for v in value.values())),
+                "shape": {k: list(v.shape) for k, v in value.items()},
+                "dtype": {k: str(v.dtype) for k, v in value.items()}}
+    return {"nbytes": int(value.nbytes), "shape": list(value.shape), "dtype": str(value.dtype)}

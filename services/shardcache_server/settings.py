@@ -1,0 +1,64 @@
+"""Settings of the cluster side, one model per process (``SHARDCACHE_*`` env)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from shardcache.keys import DEFAULT_NAMESPACE, validate_name
+
+__all__ = ["ServiceSettings"]
+
+DEFAULT_CACHE_BYTES = 2 * 2**30  # per store; the chart sizes it from the object store
+DEFAULT_FETCH_CONCURRENCY = 32  # in-flight GETs per store; S3 scales per prefix
+DEFAULT_FETCH_RETRIES = 4  # attempts after the first, with exponential backoff
+DEFAULT_BACKOFF_S = 0.1  # first retry delay; doubles each attempt, full jitter
+DEFAULT_BACKOFF_MAX_S = 5.0
+DEFAULT_FETCH_TIMEOUT_S = 60.0  # one GET, first byte to last
+DEFAULT_STATS_FLUSH_S = 1.0  # one Redis pipeline per store per second
+DEFAULT_MAX_RESTARTS = 3  # a crash-looping store stops instead of hammering the source
+
+
+class ServiceSettings(BaseSettings):
+    """Everything a cache store needs; the Helm chart sets the same variables.
+
+    What to cache:
+        cache_bytes: memory budget of one store (one per node). Defaults to 2 GiB.
+        eviction: ``"lru"`` or ``"static"`` (keep what fits, never evict).
+            Defaults to ``"lru"``.
+
+    How to fetch:
+        fetch_concurrency, fetch_retries, backoff_s, backoff_max_s,
+        fetch_timeout_s: see the constants above.
+        verify_checksum: compare an S3 ETag that is a plain MD5 with the bytes
+            read. Defaults to ``True``.
+        preprocess_workers: threads running the user's preprocess per store.
+
+    Where state lives:
+        redis_url: the index. namespace: the deployment (key prefix, Ray
+        namespace). stats_flush_s: how often counters go to Redis.
+        max_restarts: Ray restarts of a crashed store.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="SHARDCACHE_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    namespace: str = DEFAULT_NAMESPACE
+    cache_bytes: int = Field(default=DEFAULT_CACHE_BYTES, gt=0)
+    eviction: Literal["lru", "static"] = "lru"
+    fetch_concurrency: int = Field(default=DEFAULT_FETCH_CONCURRENCY, ge=1)
+    fetch_retries: int = Field(default=DEFAULT_FETCH_RETRIES, ge=0)
+    backoff_s: float = Field(default=DEFAULT_BACKOFF_S, ge=0)
+    backoff_max_s: float = Field(default=DEFAULT_BACKOFF_MAX_S, ge=0)
+    fetch_timeout_s: float = Field(default=DEFAULT_FETCH_TIMEOUT_S, gt=0)
+    verify_checksum: bool = True
+    preprocess_workers: int = Field(default=2, ge=1)
+    stats_flush_s: float = Field(default=DEFAULT_STATS_FLUSH_S, gt=0)
+    max_restarts: int = Field(default=DEFAULT_MAX_RESTARTS, ge=-1)
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("namespace")
+    @classmethod
+    def _check_namespace(cls, value: str) -> str:
+        return validate_name("namespace", value)

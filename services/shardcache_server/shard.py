@@ -1,0 +1,489 @@
+"""The cache store: one per Ray node, owning the ObjectRefs of what it caches.
+
+``CacheShard`` is a plain class (tests drive it without Ray); ``start_shard``
+is the only place it becomes a Ray actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+import uuid
+import zlib
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from shardcache import keys
+from shardcache.errors import BackendError, ConfigError, ShardCacheError
+from shardcache.index import RedisIndex
+
+from shardcache_server.eviction import make_policy
+from shardcache_server.fetch import Fetcher
+from shardcache_server.preprocess import describe, run_preprocess
+from shardcache_server.settings import ServiceSettings
+from shardcache_server.stats import StatsBuffer
+
+__all__ = ["CacheShard", "Item", "Result", "ray_namespace", "start_shard", "store_name"]
+
+log = logging.getLogger(__name__)
+
+Item = tuple[str, str, int]  # (url, etag, size) as listed
+# ("hit"|"fetched"|"remote", ref) or ("error", error class name, message)
+# or ("unregistered",) when the store lost the dataset's preprocess (restart).
+Result = tuple[Any, ...]
+RESYNC_BACKOFF_S = 1.0  # pause between Redis reconnect attempts of the listener
+
+
+def store_name(node_id: str) -> str:
+    return f"store-{node_id}"
+
+
+def ray_namespace(ns: str) -> str:
+    return f"shardcache-{ns}"
+
+
+@dataclass
+class _Cached:
+    ref: Any
+    etag: str
+    generation: int
+    nbytes: int
+
+
+@dataclass
+class _Dataset:
+    name: str
+    protocol: str
+    fingerprint: str
+    preprocess: Callable[[bytes], Any]
+    fetcher: Fetcher
+
+
+class CacheShard:
+    """Caches preprocessed objects of any number of datasets on one node.
+
+    Args:
+        settings: the service settings (budget, eviction, fetch limits, Redis).
+        node_id: the Ray node this store serves.
+        put: stores a value and returns a reference; ``ray.put`` under Ray.
+        peer: returns the store handle of another node, or ``None`` if gone.
+    """
+
+    def __init__(self, settings: dict[str, Any] | ServiceSettings, node_id: str, *,
+                 put: Callable[[Any], Any] | None = None,
+                 peer: Callable[[str], Any] | None = None):
+        self.settings = settings if isinstance(settings, ServiceSettings) else ServiceSettings(**settings)
+        self.node_id = node_id
+        self.incarnation = uuid.uuid4().hex[:8]
+        self.me = f"{node_id}/{self.incarnation}"
+        self._put = put or _ray_put
+        self._peer = peer or (lambda node: _ray_peer(self.settings.namespace, node))
+        self._policy = make_policy(self.settings.eviction, self.settings.cache_bytes)
+        self._table: dict[tuple[str, str], _Cached] = {}
+        self._datasets: dict[str, _Dataset] = {}
+        self._generation: dict[str, int] = defaultdict(int)
+        self._inflight: dict[tuple[str, int, str, str], asyncio.Future[Result]] = {}
+        self._stats = StatsBuffer()
+        self._pool = ThreadPoolExecutor(self.settings.preprocess_workers, thread_name_prefix="preprocess")
+        self._index: RedisIndex | None = None
+        self._index_dirty = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop = threading.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle -------------------------------------------------------------
+    def _ensure_started(self) -> None:
+        if self._loop is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._index = RedisIndex.from_url(self.settings.redis_url, self.settings.namespace)
+        self._tasks.append(self._loop.create_task(self._flush_forever()))
+        threading.Thread(target=self._listen_forever, name="invalidations", daemon=True).start()
+
+    async def ping(self) -> str:
+        """Start background work and return ``node_id/incarnation``."""
+        self._ensure_started()
+        return self.me
+
+    async def close(self) -> None:
+        """Flush stats and stop background work (tests, graceful shutdown)."""
+        self._stop.set()
+        for t in self._tasks:
+            t.cancel()
+        await self._flush_once()
+        self._pool.shutdown(wait=False)
+
+    # -- public API ------------------------------------------------------------
+    async def register(self, spec: dict[str, Any], preprocess: Callable[[bytes], Any]) -> int:
+        """Learn how to fetch and preprocess a dataset; returns its generation.
+
+        The callable comes from the job that registered the dataset (through
+        Ray), never from Redis.
+        """
+        self._ensure_started()
+        name = keys.validate_name("dataset name", spec["name"])
+        fetcher = Fetcher(
+            spec["protocol"], spec.get("storage_options") or {},
+            concurrency=self.settings.fetch_concurrency, retries=self.settings.fetch_retries,
+            backoff_s=self.settings.backoff_s, backoff_max_s=self.settings.backoff_max_s,
+            timeout_s=self.settings.fetch_timeout_s, verify_checksum=self.settings.verify_checksum)
+        self._datasets[name] = _Dataset(name, spec["protocol"], spec["fingerprint"], preprocess, fetcher)
+        self._advance(name, int(spec["generation"]))
+        return self._generation[name]
+
+    async def get(self, dataset: str, generation: int, items: list[Item], *,
+                  forwarded: bool = False) -> list[Result]:
+        """Return a reference (or an error record) for every item, in order.
+
+        Hits cost nothing but a dict lookup. Misses are claimed in Redis: this
+        store fetches the ones it owns and asks the owner store for the rest,
+        so each object is read from the source once per cluster.
+        """
+        self._ensure_started()
+        ds = self._datasets.get(dataset)
+        if ds is None:
+            return [("unregistered",)] * len(items)
+        known = self._generation[dataset]
+        if generation < known:
+            msg = (f"dataset {dataset!r} generation {generation} was invalidated; "
+                   f"the current generation is {known}. Re-read the generation and retry.")
+            return [("error", "StaleVersionError", msg)] * len(items)
+        if generation > known:
+            self._advance(dataset, generation)
+        results: list[Result | None] = [None] * len(items)
+        waiting: dict[int, asyncio.Future[Result]] = {}
+        to_load: list[Item] = []
+        for i, (url, etag, size) in enumerate(items):
+            cached = self._table.get((dataset, url))
+            if cached is not None and cached.etag == etag and cached.generation == generation:
+                self._policy.touch((dataset, url))
+                results[i] = ("hit", cached.ref)
+                if not forwarded:
+                    self._stats.add(dataset, "hits")
+                    self._stats.add(dataset, "bytes_served", cached.nbytes)
+                continue
+            key = (dataset, generation, url, etag)
+            fut = self._inflight.get(key)
+            if fut is None:
+                fut = asyncio.get_running_loop().create_future()
+                self._inflight[key] = fut
+                to_load.append((url, etag, size))
+            waiting[i] = fut
+        if to_load:
+            asyncio.get_running_loop().create_task(
+                self._resolve(ds, generation, to_load, forwarded=forwarded))
+        for i, fut in waiting.items():
+            res = await asyncio.shield(fut)
+            results[i] = res
+            if not forwarded and res[0] != "error":
+                self._stats.add(dataset, "hits" if res[0] == "remote-hit" else "misses")
+        return [r for r in results if r is not None]
+
+    async def drop(self, dataset: str, urls: list[str] | None = None) -> int:
+        """Forget cached values of a dataset (all, or only ``urls``)."""
+        victims = [k for k in self._table if k[0] == dataset and (urls is None or k[1] in urls)]
+        for k in victims:
+            self._evict_local(k)
+        return len(victims)
+
+    async def info(self) -> dict[str, Any]:
+        """What this store holds: bytes, entries, per-dataset counts."""
+        per_ds: dict[str, int] = defaultdict(int)
+        for (ds, _), c in self._table.items():
+            per_ds[ds] += c.nbytes
+        return {"node_id": self.node_id, "incarnation": self.incarnation,
+                "used_bytes": self._policy.used_bytes, "budget_bytes": self._policy.budget_bytes,
+                "entries": len(self._table), "eviction": self.settings.eviction,
+                "bytes_by_dataset": dict(per_ds), "generations": dict(self._generation),
+                "dropped_stat_flushes": self._stats.dropped_flushes,
+                "inflight": len(self._inflight)}
+
+    async def cached_urls(self, dataset: str) -> list[str]:
+        """URLs of ``dataset`` held here (tests and ``shardcache ls``)."""
+        return sorted(url for (ds, url) in self._table if ds == dataset)
+
+    # -- miss path -------------------------------------------------------------
+    async def _resolve(self, ds: _Dataset, generation: int, items: list[Item], *,
+                       forwarded: bool) -> None:
+        by_url = {it[0]: it for it in items}
+        try:
+            mine, remote = await self._split_by_owner(ds.name, generation, list(by_url), forwarded)
+            jobs = [self._load(ds, generation, by_url[u]) for u in mine]
+            jobs += [self._forward(ds, generation, owner, [by_url[u] for u in urls])
+                     for owner, urls in remote.items()]
+            outcomes = await asyncio.gather(*jobs, return_exceptions=True)
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+        except Exception as exc:  # never leave a waiter hanging; report to each
+            log.exception("resolving %d items of %s failed", len(items), ds.name)
+            for url, etag, _ in items:
+                self._settle((ds.name, generation, url, etag),
+                             ("error", type(exc).__name__, f"{url!r}: {exc}"))
+
+    async def _split_by_owner(self, dataset: str, generation: int, urls: list[str],
+                              forwarded: bool) -> tuple[list[str], dict[str, list[str]]]:
+        if forwarded:
+            return urls, {}  # the caller already decided we own these; never ping-pong
+        assert self._index is not None
+        try:
+            owners = await asyncio.to_thread(self._index.claim_owners, dataset, generation, urls, self.me)
+        except BackendError:
+            # Redis down: keep training. Fetch locally without a claim; at worst
+            # another node reads the same object once more.
+            self._index_dirty = True
+            return urls, {}
+        mine, remote = [], defaultdict(list)
+        for url, owner in zip(urls, owners):
+            node = owner.split("/", 1)[0]
+            if owner == self.me:
+                mine.append(url)
+            elif node == self.node_id:  # an earlier incarnation of this store
+                await asyncio.to_thread(self._index.take_over, dataset, generation, url, owner, self.me)
+                mine.append(url)
+            else:
+                remote[owner].append(url)
+        return mine, remote
+
+    async def _forward(self, ds: _Dataset, generation: int, owner: str, items: list[Item]) -> None:
+        node = owner.split("/", 1)[0]
+        handle = self._peer(node)
+        results: list[Result] | None = None
+        if handle is not None:
+            try:
+                results = await handle.get.remote(ds.name, generation, items, forwarded=True)
+                if results and results[0][0] == "unregistered":
+                    spec = {"name": ds.name, "protocol": ds.protocol, "fingerprint": ds.fingerprint,
+                            "storage_options": ds.fetcher.storage_options, "generation": generation}
+                    await handle.register.remote(spec, ds.preprocess)
+                    results = await handle.get.remote(ds.name, generation, items, forwarded=True)
+            except Exception as exc:  # the owner died or its node is gone
+                if type(exc).__module__.split(".")[0] != "ray":
+                    raise
+                log.warning("owner store on %s unreachable (%s); taking over %d items",
+                            node, type(exc).__name__, len(items))
+                results = None
+        if results is None:
+            assert self._index is not None
+            for url, _, _ in items:
+                await asyncio.to_thread(self._index.take_over, ds.name, generation, url, owner, self.me)
+            await asyncio.gather(*(self._load(ds, generation, it) for it in items))
+            return
+        for (url, etag, _), res in zip(items, results):
+            if res[0] in ("hit", "fetched"):
+                res = ("remote-hit" if res[0] == "hit" else "fetched", res[1])
+            self._settle((ds.name, generation, url, etag), res)
+
+    async def _load(self, ds: _Dataset, generation: int, item: Item) -> None:
+        url, etag, size = item
+        key = (ds.name, generation, url, etag)
+        started = time.perf_counter()
+        try:
+            data = await ds.fetcher.fetch(url, size, etag)
+            self._stats.add(ds.name, "remote_reads")
+            self._stats.add(ds.name, "bytes_read", len(data))
+            loop = asyncio.get_running_loop()
+            value, ref = await loop.run_in_executor(self._pool, self._process, ds, data, url)
+        except ShardCacheError as exc:
+            self._stats.add(ds.name, "errors")
+            await self._forget_claim(ds.name, generation, [url])
+            self._event("fetch_error", ds.name, key=url, error=type(exc).__name__, message=str(exc))
+            self._settle(key, ("error", type(exc).__name__, str(exc)))
+            return
+        self._stats.add(ds.name, "fetch_ms_total", int((time.perf_counter() - started) * 1000))
+        meta = describe(value)
+        if self._generation[ds.name] == generation:
+            self._admit(ds.name, generation, url, etag, ref, meta, data)
+        self._settle(key, ("fetched", ref))
+
+    def _process(self, ds: _Dataset, data: bytes, url: str) -> tuple[Any, Any]:
+        value = run_preprocess(ds.preprocess, data, url)
+        return value, self._put(value)
+
+    def _admit(self, dataset: str, generation: int, url: str, etag: str, ref: Any,
+               meta: dict[str, Any], data: bytes) -> None:
+        admitted, evicted = self._policy.admit((dataset, url), meta["nbytes"])
+        for victim in evicted:
+            self._drop_entry(victim)
+        self._stats.add(dataset, "evictions", len(evicted))
+        if not admitted:
+            self._stats.add(dataset, "uncached")
+            return
+        self._table[(dataset, url)] = _Cached(ref, etag, generation, meta["nbytes"])
+        entry = {"etag": etag, "size": len(data), "checksum": f"crc32:{zlib.crc32(data):08x}",
+                 "owner": self.node_id, "generation": generation, "cached_at": time.time(), **meta}
+        evicted_urls: dict[str, list[str]] = defaultdict(list)
+        for ds, u in evicted:
+            evicted_urls[ds].append(u)
+        self._index_write(lambda idx: (
+            idx.record_entries(dataset, generation, {url: entry}),
+            [idx.release(ds, self._generation[ds], us, self.me) for ds, us in evicted_urls.items()],
+        ))
+
+    def _settle(self, key: tuple[str, int, str, str], result: Result) -> None:
+        fut = self._inflight.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_result(result)
+
+    async def _forget_claim(self, dataset: str, generation: int, urls: list[str]) -> None:
+        if self._index is None:
+            return
+        with contextlib.suppress(BackendError):
+            await asyncio.to_thread(self._index.release, dataset, generation, urls, self.me)
+
+    # -- invalidation ----------------------------------------------------------
+    def _advance(self, dataset: str, generation: int) -> None:
+        """Move to ``generation`` and free everything cached under older ones."""
+        if generation <= self._generation[dataset]:
+            return
+        self._generation[dataset] = generation
+        for k in [k for k, c in self._table.items() if k[0] == dataset and c.generation < generation]:
+            self._evict_local(k)
+
+    def _evict_local(self, key: tuple[str, str]) -> None:
+        self._policy.remove(key)
+        self._table.pop(key, None)
+
+    def _drop_entry(self, key: Any) -> None:
+        self._table.pop(key, None)
+
+    def _on_message(self, raw: str) -> None:
+        try:
+            msg = json.loads(raw)
+            dataset, generation = str(msg["dataset"]), int(msg["generation"])
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignoring malformed invalidation message")
+            return
+        if msg.get("paths"):
+            paths = set(msg["paths"])
+            for k in [k for k in self._table if k[0] == dataset and k[1] in paths]:
+                self._evict_local(k)
+        else:
+            self._advance(dataset, generation)
+
+    def _listen_forever(self) -> None:
+        """Pub/sub listener thread; reconnects and resyncs after Redis outages."""
+        channel = keys.invalidation_channel(self.settings.namespace)
+        while not self._stop.is_set():
+            try:
+                index = RedisIndex.from_url(self.settings.redis_url, self.settings.namespace)
+                pubsub = index.client.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(channel)
+                # Anything invalidated while we were away: catch up from the records.
+                for name in list(self._datasets):
+                    gen = index.generation(name)
+                    self._call_soon(self._advance, name, gen)
+                while not self._stop.is_set():
+                    msg = pubsub.get_message(timeout=0.5)
+                    if msg and msg.get("type") == "message":
+                        self._call_soon(self._on_message, msg["data"])
+            except Exception as exc:  # any Redis failure: back off and reconnect
+                if self._stop.is_set():
+                    return
+                log.warning("invalidation listener lost Redis (%s); reconnecting", type(exc).__name__)
+                self._index_dirty = True
+                time.sleep(RESYNC_BACKOFF_S)
+
+    def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    # -- stats and index writes -------------------------------------------------
+    def _index_write(self, write: Callable[[RedisIndex], Any]) -> None:
+        if self._index is None:
+            return
+        index = self._index
+
+        def run() -> None:
+            try:
+                write(index)
+            except BackendError:
+                self._index_dirty = True
+
+        self._pool.submit(run)
+
+    def _event(self, kind: str, dataset: str, **detail: Any) -> None:
+        self._index_write(lambda idx: idx.push_event(kind, dataset, node=self.node_id, **detail))
+
+    async def _flush_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.stats_flush_s)
+            await self._flush_once()
+
+    async def _flush_once(self) -> None:
+        if self._index is None:
+            return
+        counts = self._stats.take()
+        info = await self.info()
+        info["ts"] = time.time()
+        try:
+            if counts:
+                await asyncio.to_thread(self._index.flush_stats, counts, self.node_id)
+            await asyncio.to_thread(self._index.heartbeat, self.node_id, info)
+            self._stats.flushed()
+            if self._index_dirty:
+                await self._resync_index()
+        except BackendError:
+            self._stats.restore(counts)
+            self._index_dirty = True
+
+    async def _resync_index(self) -> None:
+        """After a Redis outage, re-record what this store holds."""
+        assert self._index is not None
+        by_ds: dict[tuple[str, int], dict[str, dict[str, Any]]] = defaultdict(dict)
+        for (ds, url), c in self._table.items():
+            by_ds[(ds, c.generation)][url] = {"etag": c.etag, "nbytes": c.nbytes,
+                                              "owner": self.node_id, "generation": c.generation}
+        for (ds, gen), entries in by_ds.items():
+            if self._index.generation(ds) != gen:
+                continue
+            await asyncio.to_thread(self._index.record_entries, ds, gen, entries)
+            for url in entries:
+                await asyncio.to_thread(self._index.take_over, ds, gen, url, "", self.me)
+        self._index_dirty = False
+
+
+def _ray_put(value: Any) -> Any:
+    import ray
+
+    return ray.put(value)
+
+
+def _ray_peer(ns: str, node_id: str) -> Any:
+    import ray
+
+    try:
+        return ray.get_actor(store_name(node_id), namespace=ray_namespace(ns))
+    except ValueError:
+        return None
+
+
+def start_shard(settings: ServiceSettings, node_id: str) -> Any:
+    """Start (or find) the detached store actor pinned to ``node_id``.
+
+    Raises:
+        ConfigError: the settings are invalid.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if not node_id:
+        raise ConfigError("node_id must be a Ray node id hex string.")
+    actor_cls = ray.remote(CacheShard)
+    return actor_cls.options(
+        name=store_name(node_id),
+        namespace=ray_namespace(settings.namespace),
+        lifetime="detached",
+        get_if_exists=True,
+        max_restarts=settings.max_restarts,
+        max_concurrency=1000,
+        num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(settings.model_dump(), node_id)

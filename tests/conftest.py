@@ -1,0 +1,137 @@
+"""Real local servers, session-scoped: redis-server, moto's S3 over HTTP, a 2-node Ray cluster."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardcache.embedded import start_redis_server
+from shardcache_server.emulator import FaultPlan, S3Emulator
+
+OBJECT_STORE_BYTES = 120 * 2**20  # per node: small, so two nodes fit in CI
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--redis-url", default=None, help="reuse an external Redis instead of starting one")
+
+
+@pytest.fixture(scope="session")
+def redis_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    external = request.config.getoption("--redis-url")
+    if external:
+        yield external
+        return
+    proc, url = start_redis_server(tmp_path_factory.mktemp("redis"), password="test-" + uuid.uuid4().hex)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def redis(redis_url: str) -> Iterator[Any]:
+    import redis as redis_py
+
+    client = redis_py.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Emulator]:
+    emu = S3Emulator().start()
+    yield emu
+    emu.stop()
+
+
+@pytest.fixture(autouse=True)
+def _s3_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Fake credentials so nothing ever reaches a real account.
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+
+
+@pytest.fixture
+def s3(s3_server: S3Emulator) -> Iterator[S3Emulator]:
+    """The emulator with counters and faults reset for this test."""
+    import s3fs
+
+    s3_server.reset_counts()
+    s3_server.set_faults(FaultPlan())
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield s3_server
+    s3_server.set_faults(FaultPlan())
+
+
+@pytest.fixture
+def s3fs_client(s3: S3Emulator) -> Any:
+    import s3fs
+
+    return s3fs.S3FileSystem(skip_instance_cache=True, **s3.storage_options())
+
+
+@pytest.fixture
+def bucket(s3fs_client: Any) -> str:
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    s3fs_client.mkdir(name)
+    return name
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Two Ray nodes on 127.0.0.1 (token authentication on, as Ray 2.60 defaults)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    node_args = {"num_cpus": 2, "object_store_memory": OBJECT_STORE_BYTES,
+                 "node_ip_address": "127.0.0.1"}
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={**node_args, "include_dashboard": False,
+                                      "resources": {"node0": 1}})
+    cluster.add_node(**node_args, resources={"node1": 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, logging_level="WARNING")
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture
+def namespace(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh deployment namespace; its store actors are killed afterwards."""
+    ns = f"t{uuid.uuid4().hex[:10]}"
+    yield ns
+    if "ray_cluster" in request.fixturenames:
+        from shardcache_server.cluster import kill_stores
+
+        kill_stores(ns)
+
+
+@pytest.fixture
+def node_ids(ray_cluster: Any) -> list[str]:
+    """[head node id, worker node id]."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    by_res = {("node0" if "node0" in n["Resources"] else "node1"): n["NodeID"] for n in nodes}
+    return [by_res["node0"], by_res["node1"]]
+
+
+@pytest.fixture(autouse=True)
+def _destroy_process_group() -> Iterator[None]:
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]

@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+
+import pytest
+
+from shardcache import keys
+from shardcache.errors import ConfigError, IndexUnavailable
+from shardcache.index import RedisIndex, connect_redis
+
+
+@pytest.fixture
+def index(redis_url):
+    return RedisIndex.from_url(redis_url, f"t{uuid.uuid4().hex[:8]}")
+
+
+def test_index_register_new_fingerprint_starts_new_generation(index):
+    assert index.register("ds", "s3://b/", "fp1", 3, 30) == 1
+    assert index.register("ds", "s3://b/", "fp1", 3, 30) == 1
+    assert index.register("ds", "s3://b/", "fp2", 3, 30) == 2
+    record = index.dataset("ds")
+    assert record.fingerprint == "fp2" and record.generation == 2 and record.invalidated_at
+    assert index.events()[0]["reason"] == "preprocess fingerprint changed"
+
+
+def test_index_invalidate_bumps_generation_atomically_and_drops_entries(index):
+    index.register("ds", "s3://b/", "fp", 1, 1)
+    index.record_entries("ds", 1, {"s3://b/x": {"etag": "e1"}})
+    index.claim_owners("ds", 1, ["s3://b/x"], "node/1")
+    results: list[int] = []
+    threads = [threading.Thread(target=lambda: results.append(index.invalidate("ds"))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == list(range(2, 10))  # no lost update
+    assert index.entries("ds", 1) == {} and index.owners("ds", 1) == {}
+    assert index.invalidate("unknown") == 0
+
+
+def test_index_invalidate_changed_drops_exactly_changed_keys(index):
+    index.register("ds", "s3://b/", "fp", 3, 3)
+    index.record_entries("ds", 1, {u: {"etag": "old"} for u in ("a", "b", "c")})
+    changed = index.invalidate_changed("ds", 1, {"a": "old", "b": "new", "c": "old"})
+    assert changed == ["b"]
+    assert sorted(index.entries("ds", 1)) == ["a", "c"]
+
+
+def test_index_claim_gives_one_owner_and_takeover_needs_expected_owner(index):
+    assert index.claim_owners("ds", 1, ["k1", "k2"], "A/1") == ["A/1", "A/1"]
+    assert index.claim_owners("ds", 1, ["k1", "k3"], "B/1") == ["A/1", "B/1"]
+    assert index.take_over("ds", 1, "k1", "X/9", "B/1") == "A/1"  # wrong expectation: no change
+    assert index.take_over("ds", 1, "k1", "A/1", "B/1") == "B/1"
+    assert index.release("ds", 1, ["k1", "k2"], "B/1") == 1
+
+
+def test_index_skips_malformed_entries_written_by_others(index, redis):
+    redis.hset(keys.entries_key(index.ns, "ds", 1), mapping={"good": json.dumps({"etag": "e"}),
+                                                             "bad": "{not json", "list": "[1]"})
+    assert index.entries("ds", 1) == {"good": {"etag": "e"}}
+
+
+def test_index_stats_series_and_ranks_roundtrip(index):
+    index.flush_stats({"ds": {"hits": 3, "misses": 1}}, "node-a", now=1000.0)
+    index.flush_stats({"ds": {"hits": 1}}, "node-b", now=1011.0)
+    stats = index.stats("ds")
+    assert (stats.hits, stats.misses, stats.hit_rate) == (4, 1, 0.8)
+    assert index.node_stats("ds", "node-a").hits == 3
+    series = index.series("ds", window_s=60, now=1015.0)
+    assert [(b, s.hits) for b, s in series] == [(1000, 3), (1010, 1)]
+    index.record_rank("ds", "job", 1, {"wait_p99_ms": 2.5})
+    assert index.ranks("ds") == {"job/1": {"wait_p99_ms": 2.5}}
+
+
+def test_connect_redis_wrong_password_is_index_unavailable_without_secret(redis_url):
+    bad = redis_url.replace("://:", "://:wrong-pass-", 1)
+    with pytest.raises(IndexUnavailable, match="password|credentials") as info:
+        connect_redis(bad)
+    assert "wrong-pass" not in str(info.value)
+
+
+def test_connect_redis_no_password_is_index_unavailable(redis_url):
+    no_pass = "redis://" + redis_url.split("@", 1)[1]
+    with pytest.raises(IndexUnavailable, match="password"):
+        connect_redis(no_pass)
+
+
+def test_connect_redis_unreachable_names_url_and_fix():
+    with pytest.raises(IndexUnavailable, match="SHARDCACHE_REDIS_URL"):
+        connect_redis("redis://:pw@127.0.0.1:1/0", timeout_s=0.5)
+
+
+def test_connect_redis_bad_url_is_config_error():
+    with pytest.raises(ConfigError):
+        connect_redis("redis://:pw@127.0.0.1:notaport/0")
+
+
+def test_validate_name_refuses_key_injection():
+    with pytest.raises(ConfigError):
+        keys.validate_name("namespace", "a:b*")

@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import pytest
+
+from shardcache.errors import ConfigError, EmptyDatasetError, SourceNotFound
+from shardcache.source import list_source
+
+
+def test_list_source_prefix_is_sorted_with_sizes_and_etags(s3, s3fs_client, bucket):
+    s3fs_client.pipe({f"{bucket}/train/b.bin": b"bb", f"{bucket}/train/a.bin": b"a",
+                      f"{bucket}/other/c.bin": b"ccc"})
+    s3.reset_counts()
+    manifest = list_source(f"s3://{bucket}/train/", s3.storage_options())
+    assert [o.url for o in manifest.objects] == [f"s3://{bucket}/train/a.bin", f"s3://{bucket}/train/b.bin"]
+    assert [o.size for o in manifest.objects] == [1, 2]
+    assert all(len(o.etag) == 32 for o in manifest.objects)  # S3 ETag = MD5 for simple PUTs
+    assert s3.total_gets == 0  # one listing, no per-object GET or HEAD
+
+
+def test_list_source_glob_and_explicit_list(s3, s3fs_client, bucket):
+    s3fs_client.pipe({f"{bucket}/d/{i}.{ext}": b"x" * i for i in range(1, 4) for ext in ("jpg", "txt")})
+    by_glob = list_source(f"s3://{bucket}/d/*.jpg", s3.storage_options())
+    assert len(by_glob) == 3
+    urls = [f"s3://{bucket}/d/3.txt", f"s3://{bucket}/d/1.txt"]
+    by_list = list_source(urls, s3.storage_options())
+    assert [o.url for o in by_list.objects] == sorted(urls)
+
+
+def test_list_source_missing_bucket_names_url_and_fix(s3):
+    with pytest.raises(SourceNotFound, match="does not exist"):
+        list_source("s3://no-such-bucket-xyz/train/", s3.storage_options())
+
+
+def test_list_source_missing_prefix_is_not_found(s3, s3fs_client, bucket):
+    s3fs_client.pipe({f"{bucket}/real/a": b"a"})
+    with pytest.raises(SourceNotFound):
+        list_source(f"s3://{bucket}/nothing-here/", s3.storage_options())
+
+
+def test_list_source_empty_local_dir_is_empty_dataset(tmp_path):
+    with pytest.raises(EmptyDatasetError, match="lists no objects"):
+        list_source(str(tmp_path))
+
+
+def test_list_source_missing_object_in_list(s3, s3fs_client, bucket):
+    s3fs_client.pipe({f"{bucket}/d/a": b"a"})
+    with pytest.raises(SourceNotFound, match="do not exist"):
+        list_source([f"s3://{bucket}/d/a", f"s3://{bucket}/d/zzz"], s3.storage_options())
+
+
+@pytest.mark.parametrize("url", ["ftp://host/data/", "http://x/y", "s3://b/../etc/"])
+def test_list_source_rejects_unsupported_or_traversal(url):
+    with pytest.raises(ConfigError):
+        list_source(url)

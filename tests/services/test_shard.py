@@ -1,0 +1,199 @@
+"""CacheShard logic without Ray: a real Redis and the S3 emulator, ``put`` is identity."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from shardcache.decoders import raw_bytes
+from shardcache.fingerprint import fingerprint
+from shardcache.index import RedisIndex
+from shardcache.source import list_source
+from shardcache_server.emulator import FaultPlan
+from shardcache_server.settings import ServiceSettings
+from shardcache_server.shard import CacheShard
+
+
+def _setup(s3, s3fs_client, bucket, redis_url, count=10, nbytes=100, preprocess=raw_bytes, **settings):
+    s3fs_client.pipe({f"{bucket}/d/{i:03d}.bin": bytes([i]) * nbytes for i in range(count)})
+    manifest = list_source(f"s3://{bucket}/d/", s3.storage_options())
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    cfg = ServiceSettings(redis_url=redis_url, namespace=ns, stats_flush_s=0.05, backoff_s=0.01, **settings)
+    index = RedisIndex.from_url(redis_url, ns)
+    gen = index.register("ds", f"s3://{bucket}/d/", fingerprint(preprocess), len(manifest), 0)
+    spec = {"name": "ds", "protocol": "s3", "storage_options": s3.storage_options(),
+            "fingerprint": fingerprint(preprocess), "generation": gen}
+    items = [(o.url, o.etag, o.size) for o in manifest.objects]
+    return cfg, index, spec, items
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_shard_fetches_once_then_hits_and_records_index(s3, s3fs_client, bucket, redis_url):
+    cfg, index, spec, items = _setup(s3, s3fs_client, bucket, redis_url)
+
+    async def scenario():
+        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        await shard.register(spec, raw_bytes)
+        # 16 concurrent requests for the same 10 keys share one fetch each.
+        rounds = await asyncio.gather(*(shard.get("ds", 1, items) for _ in range(16)))
+        again = await shard.get("ds", 1, items)
+        await asyncio.sleep(0.2)
+        await shard.close()
+        return rounds, again
+
+    rounds, again = _run(scenario())
+    assert s3.total_gets == 10
+    assert all(np.array_equal(r[1], np.full(100, i, np.uint8)) for i, r in enumerate(rounds[0]))
+    assert {r[0] for r in again} == {"hit"}
+    entries = index.entries("ds", 1)
+    assert len(entries) == 10
+    e = entries[items[0][0]]
+    assert e["etag"] == items[0][1] and e["shape"] == [100] and e["dtype"] == "uint8"
+    assert e["owner"] == "node-a" and e["checksum"].startswith("crc32:")
+    stats = index.stats("ds")
+    assert stats.remote_reads == 10 and stats.hits >= 10
+
+
+def test_shard_preprocess_error_names_key_and_spares_others(s3, s3fs_client, bucket, redis_url):
+    def picky(data: bytes) -> np.ndarray:
+        if data[0] == 3:
+            raise ValueError("cannot decode")
+        return np.frombuffer(data, np.uint8).copy()
+
+    cfg, index, spec, items = _setup(s3, s3fs_client, bucket, redis_url, preprocess=picky)
+
+    async def scenario():
+        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        await shard.register(spec, picky)
+        out = await shard.get("ds", 1, items)
+        await asyncio.sleep(0.2)
+        info = await shard.info()
+        await shard.close()
+        return out, info
+
+    out, info = _run(scenario())
+    bad = out[3]
+    assert bad[0] == "error" and bad[1] == "PreprocessError"
+    assert items[3][0] in bad[2] and "cannot decode" in bad[2]
+    assert all(r[0] == "fetched" for i, r in enumerate(out) if i != 3)
+    assert info["entries"] == 9
+    assert items[3][0] not in index.entries("ds", 1)
+    assert any(e["kind"] == "fetch_error" and e["key"] == items[3][0] for e in index.events())
+
+
+@pytest.mark.parametrize("returned", [b"bytes", [1, 2], np.array(["a"], dtype=object)])
+def test_shard_preprocess_returning_non_array_is_preprocess_error(s3, s3fs_client, bucket, redis_url, returned):
+    def bad(data: bytes):
+        return returned
+
+    cfg, _, spec, items = _setup(s3, s3fs_client, bucket, redis_url, count=1, preprocess=bad)
+
+    async def scenario():
+        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        await shard.register(spec, bad)
+        out = await shard.get("ds", 1, items)
+        await shard.close()
+        return out
+
+    (res,) = _run(scenario())
+    assert res[0] == "error" and res[1] == "PreprocessError" and "numpy array" in res[2] or "object" in res[2]
+
+
+def test_shard_invalidation_over_pubsub_frees_memory(s3, s3fs_client, bucket, redis_url):
+    cfg, index, spec, items = _setup(s3, s3fs_client, bucket, redis_url)
+
+    async def scenario():
+        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        await shard.register(spec, raw_bytes)
+        await shard.get("ds", 1, items)
+        before = (await shard.info())["used_bytes"]
+        await asyncio.sleep(0.3)  # listener subscribed
+        index.invalidate("ds")
+        deadline = time.monotonic() + 5
+        while (await shard.info())["entries"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        after = await shard.info()
+        stale = await shard.get("ds", 1, items[:1])
+        await shard.close()
+        return before, after, stale
+
+    before, after, stale = _run(scenario())
+    assert before == 1000 and after["used_bytes"] == 0 and after["generations"]["ds"] == 2
+    assert stale[0][:2] == ("error", "StaleVersionError")
+
+
+@pytest.mark.parametrize("policy,expected_hits", [("lru", 0), ("static", 5)])
+def test_shard_eviction_hit_rate_under_cyclic_scan(s3, s3fs_client, bucket, redis_url, policy, expected_hits):
+    # 10 objects of 100 B, budget 500 B, read in the same order every epoch:
+    # LRU always evicts what the next read needs (0 hits); static keeps half.
+    cfg, index, spec, items = _setup(s3, s3fs_client, bucket, redis_url, cache_bytes=500, eviction=policy)
+
+    async def scenario():
+        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        await shard.register(spec, raw_bytes)
+        for it in items:
+            await shard.get("ds", 1, [it])
+        warm = [(await shard.get("ds", 1, [it]))[0][0] for it in items]
+        info = await shard.info()
+        await asyncio.sleep(0.3)
+        await shard.close()
+        return warm, info
+
+    warm, info = _run(scenario())
+    assert warm.count("hit") == expected_hits
+    assert info["used_bytes"] <= 500
+    assert len(index.entries("ds", 1)) == info["entries"]  # evictions update the index
+
+
+def test_shard_retries_transient_503_then_succeeds(s3, s3fs_client, bucket, redis_url):
+    cfg, _, spec, items = _setup(s3, s3fs_client, bucket, redis_url, count=4)
+    s3.set_faults(FaultPlan(error_rate=0.5, error_status=503, seed=1))
+
+    async def scenario():
+        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        await shard.register(spec, raw_bytes)
+        out = await shard.get("ds", 1, items)
+        await shard.close()
+        return out
+
+    out = _run(scenario())
+    assert [r[0] for r in out] == ["fetched"] * 4
+
+
+def test_shard_truncated_object_is_detected_not_cached(s3, s3fs_client, bucket, redis_url):
+    cfg, _, spec, items = _setup(s3, s3fs_client, bucket, redis_url, count=1, fetch_retries=1)
+    s3.set_faults(FaultPlan(truncate_rate=1.0))
+
+    async def scenario():
+        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        await shard.register(spec, raw_bytes)
+        out = await shard.get("ds", 1, items)
+        info = await shard.info()
+        await shard.close()
+        return out, info
+
+    (res,), info = _run(scenario())
+    assert res[0] == "error" and res[1] == "CorruptObjectError" and items[0][0] in res[2]
+    assert info["entries"] == 0
+
+
+def test_shard_object_deleted_upstream_is_source_not_found(s3, s3fs_client, bucket, redis_url):
+    cfg, _, spec, items = _setup(s3, s3fs_client, bucket, redis_url, count=1)
+    s3fs_client.rm(items[0][0])
+
+    async def scenario():
+        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        await shard.register(spec, raw_bytes)
+        out = await shard.get("ds", 1, items)
+        await shard.close()
+        return out
+
+    (res,) = _run(scenario())
+    assert res[:2] == ("error", "SourceNotFound")
