@@ -10,6 +10,10 @@ from typing import Any
 
 import pytest
 
+# Keep every Ray socket on loopback: Ray otherwise advertises the host's
+# interface address, and tests talk only to 127.0.0.1. Must precede `import ray`.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
 from shardcache.embedded import start_redis_server
 from shardcache_server.emulator import FaultPlan, S3Emulator
 
