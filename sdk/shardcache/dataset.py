@@ -139,6 +139,7 @@ class DistributedCachedDataset(Dataset[Any]):
         self._pid = os.getpid()
         self._attached = False
         self._refs: dict[int, Any] = {}
+        self._unread: set[int] = set()
         self._refs_generation = -1
         self._pending: dict[int, Future[None]] = {}
         self._prefetcher: ThreadPoolExecutor | None = None
@@ -154,7 +155,7 @@ class DistributedCachedDataset(Dataset[Any]):
         # DataLoader workers get the small description, never the refs or locks:
         # each worker attaches lazily and the cache itself is not copied.
         state = self.__dict__.copy()
-        for k in ("_refs", "_pending", "_prefetcher", "_lock", "_client"):
+        for k in ("_refs", "_unread", "_pending", "_prefetcher", "_lock", "_client"):
             state.pop(k, None)
         return state
 
@@ -249,6 +250,7 @@ class DistributedCachedDataset(Dataset[Any]):
         if generation != self._refs_generation:
             with self._lock:
                 self._refs.clear()
+                self._unread.clear()
                 self._refs_generation = generation
         self.generation = generation
         return generation
@@ -260,6 +262,12 @@ class DistributedCachedDataset(Dataset[Any]):
         missing = sorted({i for i in indices if i not in self._refs})
         if missing:
             self._resolve(missing, generation)
+        for i in indices:
+            if i in self._unread:
+                self._unread.discard(i)  # counted when its reference was resolved
+            else:
+                self._counts["hits"] += 1  # a reference held since an earlier epoch
+                self._counts["bytes"] += self.manifest.objects[i].size
 
     def _resolve(self, indices: list[int], generation: int) -> None:
         objs = self.manifest.objects
@@ -269,6 +277,7 @@ class DistributedCachedDataset(Dataset[Any]):
                 return
             for i, (status, ref) in zip(indices, results):
                 self._refs[i] = ref
+                self._unread.add(i)
                 if status == "fetched":
                     self._counts["misses"] += 1
                     self._counts["remote_reads"] += 1
@@ -339,7 +348,12 @@ class DistributedCachedDataset(Dataset[Any]):
         return self.generation
 
     def refresh(self) -> list[str]:
-        """Re-list the source; objects whose ETag changed are re-fetched. Returns them."""
+        """Re-list the source; objects whose ETag changed are re-fetched. Returns them.
+
+        Call it on every rank (e.g. before ``set_epoch``): a rank reads the
+        version its own listing saw, so ranks that have not refreshed keep
+        the version they listed, consistently, until they do.
+        """
         manifest = list_source(self.urls, self.storage_options)
         if [o.url for o in manifest.objects] != [o.url for o in self.manifest.objects]:
             raise ConfigError(
@@ -347,7 +361,13 @@ class DistributedCachedDataset(Dataset[Any]):
                 f"{len(manifest)}); build a new DistributedCachedDataset so every rank "
                 "agrees on the shards."
             )
+        stale = {i for i, (old, new) in enumerate(zip(self.manifest.objects, manifest.objects))
+                 if old.etag != new.etag}
         self.manifest = manifest
+        with self._lock:
+            for i in stale:
+                self._refs.pop(i, None)
+                self._unread.discard(i)
         return self._client.index.invalidate_changed(
             self.name, self.generation, {o.url: o.etag for o in manifest.objects})
 

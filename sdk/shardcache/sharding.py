@@ -2,7 +2,7 @@
 
 Assignment is rendezvous (highest-random-weight) hashing with bounded loads:
 every key ranks the W ranks by ``hash(key, rank, seed)`` and goes to the best
-one that still has room (capacity ``ceil(n / W)``). Rendezvous hashing moves
+one that still has room (capacity ``floor(n / W)`` or one more). Rendezvous hashing moves
 only about 1/W of the keys when the world size changes, so most of a rank's
 shard stays cached on the node it ran on; the load bound keeps shards within
 one sample of each other so lengths can be equalised by padding or dropping
@@ -70,14 +70,16 @@ def assign_shards(keys: Sequence[str], world_size: int, seed: int = 0) -> list[n
     rank_salt = _mix(np.arange(1, world_size + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
     scores = _mix(key_h[:, None] ^ rank_salt[None, :])
     preference = np.argsort(-scores.astype(np.float64), axis=1, kind="stable")
-    capacity = -(-n // world_size)
+    # Exact balance: the first n % W ranks take one extra key.
+    capacity = np.full(world_size, n // world_size, dtype=np.int64)
+    capacity[: n % world_size] += 1
     load = np.zeros(world_size, dtype=np.int64)
     owner = np.empty(n, dtype=np.int64)
     # Visit keys in hash order (not list order) so the keys that overflow a full
     # rank are a random sample, not the tail of the listing.
     for i in np.argsort(key_h, kind="stable"):
         for r in preference[i]:
-            if load[r] < capacity:
+            if load[r] < capacity[r]:
                 owner[i] = r
                 load[r] += 1
                 break

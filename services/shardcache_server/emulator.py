@@ -86,9 +86,13 @@ class S3Emulator:
             create_backend_app,
         )
 
+        class _QuietHandler(MotoRequestHandler):  # one log line per GET drowns the tests
+            def log_request(self, *args: Any, **kwargs: Any) -> None:
+                pass
+
         moto_app = DomainDispatcherApplication(create_backend_app)
         self._server = make_server("127.0.0.1", self.port, self._wrap(moto_app), threaded=True,
-                                   request_handler=MotoRequestHandler)
+                                   request_handler=_QuietHandler)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()

@@ -1,0 +1,142 @@
+"""DistributedCachedDataset in one process on the 2-node cluster, plus bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from shardcache import DistributedCachedDataset
+from shardcache.errors import ConfigError, EmptyDatasetError, PreprocessError, SourceNotFound, TransformError
+
+pytestmark = pytest.mark.slow
+
+
+def _objects(s3fs_client, bucket, count=24, prefix="d"):
+    payload = {f"{bucket}/{prefix}/{i:03d}.bin": bytes([i]) * (50 + i) for i in range(count)}
+    s3fs_client.pipe(payload)
+    return payload
+
+
+def _ds(s3, bucket, redis_url, namespace, **kw):
+    kw.setdefault("storage_options", s3.storage_options())
+    return DistributedCachedDataset(f"s3://{bucket}/d/", redis_url=redis_url, namespace=namespace, **kw)
+
+
+def test_dataset_bytes_equal_direct_read_and_later_epochs_make_no_gets(
+        ray_cluster, s3, s3fs_client, bucket, redis_url, namespace):
+    payload = _objects(s3fs_client, bucket)
+    ds = _ds(s3, bucket, redis_url, namespace)
+    assert len(ds) == 24 and len(ds.sampler) == 24
+    loader = DataLoader(ds, batch_size=5, sampler=ds.sampler, collate_fn=list)
+    s3.reset_counts()
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        seen = [t for batch in loader for t in batch]
+        assert sorted(bytes(t.numpy()) for t in seen) == sorted(payload.values())
+        if epoch == 0:
+            assert s3.total_gets == 24
+    assert s3.total_gets == 24  # epochs 2 and 3: zero remote reads
+    stats = ds.stats()
+    assert stats["remote_reads"] == 24 and stats["hits"] > 0
+    assert stats["wait_p99_ms"] >= stats["wait_p50_ms"] > 0
+    ds.close()
+
+
+def test_dataset_invalidate_refetches_and_serves_new_content(
+        ray_cluster, s3, s3fs_client, bucket, redis_url, namespace):
+    _objects(s3fs_client, bucket, count=6)
+    ds = _ds(s3, bucket, redis_url, namespace, shuffle=False)
+    first = [bytes(ds[i].numpy()) for i in range(6)]
+    s3fs_client.pipe({f"{bucket}/d/002.bin": b"new" * 19})  # same size, new ETag
+    s3.reset_counts()
+    changed = ds.refresh()
+    assert changed == [f"s3://{bucket}/d/002.bin"]
+    assert bytes(ds[2].numpy()) == b"new" * 19
+    assert s3.total_gets == 1  # exactly the changed object
+    gen = ds.invalidate()
+    assert gen == 2
+    assert [bytes(ds[i].numpy()) for i in (0, 1)] == first[:2]
+    assert s3.total_gets == 3  # the new generation re-fetches
+
+
+def test_dataset_preprocess_change_starts_new_generation(
+        ray_cluster, s3, s3fs_client, bucket, redis_url, namespace):
+    _objects(s3fs_client, bucket, count=3)
+    a = _ds(s3, bucket, redis_url, namespace, preprocess=lambda b: np.frombuffer(b, np.uint8).copy())
+    assert a.generation == 1 and a[0].shape[0] == 50
+    b = _ds(s3, bucket, redis_url, namespace, preprocess=lambda b: np.frombuffer(b, np.uint8)[:5].copy())
+    assert b.generation == 2 and b[0].shape[0] == 5
+
+
+def test_dataset_resume_from_state_dict_continues_with_unseen(
+        ray_cluster, s3, s3fs_client, bucket, redis_url, namespace):
+    _objects(s3fs_client, bucket)
+    ds = _ds(s3, bucket, redis_url, namespace, seed=5)
+    ds.set_epoch(1)
+    loader = DataLoader(ds, batch_size=4, sampler=ds.sampler, collate_fn=list)
+    it = iter(loader)
+    seen = [bytes(t.numpy()) for _ in range(2) for t in next(it)]
+    state = ds.state_dict()
+    assert state["consumed"] == 8 and state["epoch"] == 1
+    fresh = _ds(s3, bucket, redis_url, namespace, seed=5)
+    fresh.load_state_dict(state)
+    rest = [bytes(t.numpy()) for batch in DataLoader(fresh, batch_size=4, sampler=fresh.sampler,
+                                                     collate_fn=list) for t in batch]
+    full = [bytes(ds[i].numpy()) for i in ds.sampler.order(1)]
+    assert seen + rest == full
+
+
+def test_dataset_random_transform_sees_fresh_randomness_each_epoch(
+        ray_cluster, s3, s3fs_client, bucket, redis_url, namespace):
+    _objects(s3fs_client, bucket, count=4)
+    ds = _ds(s3, bucket, redis_url, namespace, shuffle=False,
+             transform=lambda t: t.float() + torch.rand(1))
+    epochs = [[float(ds[i][0]) for i in range(4)] for _ in range(2)]
+    assert epochs[0] != epochs[1]
+    assert float(ds[0][0]) != float(ds[0][0])
+
+
+def test_dataset_num_workers_attach_lazily(ray_cluster, s3, s3fs_client, bucket, redis_url, namespace):
+    payload = _objects(s3fs_client, bucket, count=8)
+    ds = _ds(s3, bucket, redis_url, namespace)
+    loader = DataLoader(ds, batch_size=4, sampler=ds.sampler, collate_fn=list, num_workers=2,
+                        multiprocessing_context="spawn")
+    got = sorted(bytes(t.numpy()) for batch in loader for t in batch)
+    assert got == sorted(payload.values())
+
+
+@pytest.mark.parametrize("kw,match", [({"rank": 2, "world_size": 2}, "rank"),
+                                      ({"rank": 0, "world_size": 0}, "world_size"),
+                                      ({"shuffle": "maybe"}, "shuffle"),
+                                      ({"name": "bad:name"}, "name"),
+                                      ({"preprocess": "decode"}, "callable")])
+def test_dataset_bad_arguments_are_config_errors(s3, s3fs_client, bucket, redis_url, kw, match):
+    _objects(s3fs_client, bucket, count=2)
+    with pytest.raises(ConfigError, match=match):
+        _ds(s3, bucket, redis_url, "t", **kw)
+
+
+def test_dataset_empty_or_missing_source(s3, s3fs_client, bucket, redis_url, tmp_path):
+    with pytest.raises(EmptyDatasetError):
+        DistributedCachedDataset(str(tmp_path), redis_url=redis_url)
+    with pytest.raises(SourceNotFound):
+        DistributedCachedDataset("s3://missing-bucket-q/x/", storage_options=s3.storage_options(),
+                                 redis_url=redis_url)
+
+
+def test_dataset_preprocess_and_transform_errors_name_the_object(
+        ray_cluster, s3, s3fs_client, bucket, redis_url, namespace):
+    _objects(s3fs_client, bucket, count=3)
+
+    def explode(data: bytes):
+        raise RuntimeError("bad header")
+
+    ds = _ds(s3, bucket, redis_url, namespace, preprocess=explode, shuffle=False)
+    with pytest.raises(PreprocessError, match=r"bad header.*|.*000\.bin"):
+        ds[0]
+    ok = _ds(s3, bucket, redis_url, namespace, shuffle=False, name="other",
+             transform=lambda t: t.reshape(7, 7, 7))
+    with pytest.raises(TransformError, match="000.bin"):
+        ok[0]
