@@ -44,7 +44,7 @@ def default_name(urls: str | Sequence[str]) -> str:
     """A readable, stable dataset name derived from the URL(s).
 
     >>> default_name("s3://bucket/train/")
-    'bucket-train-6d5bd2b7'
+    'bucket-train-365e5c26'
     """
     first = urls if isinstance(urls, str) else "|".join(urls)
     stem = urls if isinstance(urls, str) else urls[0]
@@ -69,6 +69,8 @@ class DistributedCachedDataset(Dataset[Any]):
         transform: per-sample augmentation on the rank, after the cache.
         storage_options: passed to fsspec (e.g. an S3 endpoint).
         name: dataset namespace in the index. Defaults to one derived from ``urls``.
+        target: ``url -> label``; when set, samples are ``(x, target(url))`` pairs
+            (labels often live in the object's path, as with ImageFolder).
 
     Where the cache is:
         redis_url, ray_address: ``None`` uses the embedded local defaults.
@@ -97,9 +99,12 @@ class DistributedCachedDataset(Dataset[Any]):
                  ray_address: str | None = None, rank: int | None = None,
                  world_size: int | None = None, shuffle: bool | str = True, seed: int = 0,
                  drop_last: bool = False, name: str | None = None, namespace: str | None = None,
-                 prefetch_batches: int | None = None, job: str | None = None):
+                 prefetch_batches: int | None = None, job: str | None = None,
+                 target: Callable[[str], Any] | None = None):
         if preprocess is not None and not callable(preprocess):
             raise ConfigError(f"preprocess must be callable or None, got {type(preprocess).__name__}.")
+        if target is not None and not callable(target):
+            raise ConfigError(f"target must be callable or None, got {type(target).__name__}.")
         if transform is not None and not callable(transform):
             raise ConfigError(f"transform must be callable or None, got {type(transform).__name__}.")
         overrides = {k: v for k, v in {"redis_url": redis_url, "ray_address": ray_address,
@@ -116,6 +121,7 @@ class DistributedCachedDataset(Dataset[Any]):
         self.urls, self.storage_options = urls, dict(storage_options or {})
         self.preprocess = preprocess or raw_bytes
         self.transform = transform
+        self.target = target
         self.job = job or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SHARDCACHE_JOB") or "job"
         self.manifest: Manifest = list_source(urls, self.storage_options)
         self._sampler = ShardSampler([o.url for o in self.manifest.objects], self.rank, self.world_size,
@@ -226,8 +232,14 @@ class DistributedCachedDataset(Dataset[Any]):
         return samples
 
     def _apply_transform(self, idx: int, sample: Any) -> Any:
-        if self.transform is None:
-            return sample
+        if self.transform is not None:
+            sample = self._call_transform(idx, sample)
+        if self.target is not None:
+            return sample, self.target(self.manifest.objects[idx].url)
+        return sample
+
+    def _call_transform(self, idx: int, sample: Any) -> Any:
+        assert self.transform is not None
         try:
             return self.transform(sample)
         except Exception as exc:  # user code

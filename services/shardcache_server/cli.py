@@ -1,0 +1,163 @@
+"""The ``shardcache`` command line: warm, stats, invalidate, ls, demo, dashboard, local."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from shardcache.errors import ShardCacheError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="shardcache: pull each remote object once, serve every DDP rank from its node.")
+local_app = typer.Typer(help="The embedded local Redis and Ray that the SDK starts by default.")
+app.add_typer(local_app, name="local")
+console = Console()
+err_console = Console(stderr=True)
+
+RedisOpt = typer.Option(None, "--redis-url", envvar="SHARDCACHE_REDIS_URL",
+                        help="Redis index URL; default: the embedded local Redis.")
+NamespaceOpt = typer.Option("default", "--namespace", envvar="SHARDCACHE_NAMESPACE",
+                            help="Deployment namespace (key prefix).")
+
+
+@contextlib.contextmanager
+def _friendly_errors() -> Iterator[None]:
+    """Our errors print one clear line and exit 2, never a traceback."""
+    try:
+        yield
+    except ShardCacheError as exc:
+        err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}")
+        raise typer.Exit(2) from None
+
+
+def _index(redis_url: str | None, namespace: str) -> Any:
+    from shardcache.embedded import local_redis_url
+    from shardcache.index import RedisIndex
+
+    return RedisIndex.from_url(redis_url or local_redis_url(), namespace)
+
+
+def _storage_options(endpoint_url: str | None, options: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for opt in options:
+        key, sep, value = opt.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--storage-option must be KEY=VALUE, got {opt!r}")
+        out[key] = value
+    if endpoint_url:
+        out.setdefault("client_kwargs", {})["endpoint_url"] = endpoint_url
+    return out
+
+
+@app.command()
+def warm(url: str = typer.Argument(..., help="fsspec prefix, glob or object URL"),
+         preprocess: str = typer.Option("raw", help="named preprocess (raw, decode_image, decode_image_chw)"),
+         name: str = typer.Option(None, help="dataset name; default derived from URL"),
+         endpoint_url: str = typer.Option(None, help="S3 endpoint (e.g. a local emulator)"),
+         storage_option: list[str] = typer.Option([], "--storage-option", "-o", help="KEY=VALUE for fsspec"),
+         batch: int = typer.Option(64, min=1, help="objects per store request"),
+         redis_url: str = RedisOpt, namespace: str = NamespaceOpt,
+         ray_address: str = typer.Option(None, envvar="RAY_ADDRESS")) -> None:
+    """Pre-fill the cache: every object fetched once, spread over the nodes."""
+    from shardcache_server.warm import warm_dataset
+
+    with _friendly_errors():
+        summary = warm_dataset(url, preprocess=preprocess, name=name,
+                               storage_options=_storage_options(endpoint_url, storage_option),
+                               redis_url=redis_url, namespace=namespace, ray_address=ray_address,
+                               batch=batch, console=console)
+    console.print(f"[green]warmed[/] {summary['dataset']}: {summary['objects']} objects, "
+                  f"{summary['fetched']} fetched, {summary['already_cached']} already cached, "
+                  f"{summary['bytes'] / 2**20:.1f} MiB in {summary['seconds']:.1f}s")
+
+
+@app.command()
+def stats(name: str = typer.Argument(None, help="dataset; default: all"),
+          redis_url: str = RedisOpt, namespace: str = NamespaceOpt) -> None:
+    """Hit rate, misses and remote reads per dataset."""
+    with _friendly_errors():
+        index = _index(redis_url, namespace)
+        names = [name] if name else index.datasets()
+        table = Table("dataset", "generation", "hits", "misses", "hit rate", "remote reads",
+                      "MiB read", "errors", "evictions")
+        for ds in names:
+            record, s = index.dataset(ds), index.stats(ds)
+            table.add_row(ds, str(record.generation if record else "-"), str(s.hits), str(s.misses),
+                          f"{s.hit_rate:.1%}", str(s.remote_reads), f"{s.bytes_read / 2**20:.1f}",
+                          str(s.errors), str(s.evictions))
+    console.print(table)
+
+
+@app.command()
+def invalidate(name: str, redis_url: str = RedisOpt, namespace: str = NamespaceOpt) -> None:
+    """Start a new generation: every store drops the dataset, readers re-fetch."""
+    with _friendly_errors():
+        generation = _index(redis_url, namespace).invalidate(name, "cli invalidate")
+    if generation == 0:
+        err_console.print(f"[red]error:[/] no dataset named {name!r}; see `shardcache ls`.")
+        raise typer.Exit(2)
+    console.print(f"{name}: now generation {generation}")
+
+
+@app.command("ls")
+def list_datasets(redis_url: str = RedisOpt, namespace: str = NamespaceOpt) -> None:
+    """Datasets, generations and cached bytes per node."""
+    with _friendly_errors():
+        index = _index(redis_url, namespace)
+        table = Table("dataset", "generation", "objects", "source MiB", "cached MiB per node")
+        stores = index.stores()
+        for ds in index.datasets():
+            record = index.dataset(ds)
+            if record is None:
+                continue
+            per_node = {n[:8]: info.get("bytes_by_dataset", {}).get(ds, 0) for n, info in stores.items()}
+            cached = ", ".join(f"{n}: {b / 2**20:.1f}" for n, b in per_node.items() if b) or "-"
+            table.add_row(ds, str(record.generation), str(record.objects),
+                          f"{record.total_bytes / 2**20:.1f}", cached)
+    console.print(table)
+
+
+@app.command()
+def demo(source: str = typer.Option(None, help="real data URL instead of generated images"),
+         images: int = typer.Option(2000, min=16, help="generated images"),
+         epochs: int = typer.Option(3, min=1), ranks: int = typer.Option(2, min=1),
+         batch_size: int = typer.Option(64, min=1)) -> None:
+    """2-rank DDP training through DistributedCachedDataset on embedded defaults."""
+    from shardcache_server.demo import run_demo
+
+    with _friendly_errors():
+        ok = run_demo(source=source, images=images, epochs=epochs, ranks=ranks,
+                      batch_size=batch_size, console=console)
+    raise typer.Exit(0 if ok else 1)
+
+
+@app.command()
+def dashboard(redis_url: str = RedisOpt, namespace: str = NamespaceOpt,
+              host: str = typer.Option("127.0.0.1", help="bind address; 127.0.0.1 by default"),
+              port: int = typer.Option(8265 + 100, min=1, max=65535),
+              token: str = typer.Option(None, envvar="SHARDCACHE_DASHBOARD_TOKEN",
+                                        help="require this bearer token")) -> None:
+    """Serve the hit-rate dashboard and /metrics (reads Redis only)."""
+    from shardcache_server.dashboard import serve
+
+    with _friendly_errors():
+        serve(redis_url=redis_url, namespace=namespace, host=host, port=port, token=token)
+
+
+@local_app.command("stop")
+def local_stop() -> None:
+    """Stop the embedded Redis and Ray that shardcache started on this machine."""
+    from shardcache.embedded import stop_local
+
+    stopped = stop_local()
+    console.print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    sys.exit(app())
