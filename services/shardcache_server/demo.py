@@ -90,6 +90,21 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], out: Any) 
     ray.shutdown()
 
 
+def _start_dashboard(redis_url: str) -> str:
+    """Serve the dashboard on loopback in a daemon thread; it ends with the demo."""
+    import threading
+
+    import uvicorn
+
+    from shardcache_server.dashboard import create_app
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(redis_url), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    return f"http://127.0.0.1:{port}/"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -129,7 +144,9 @@ def run_demo(*, source: str | None, images: int, epochs: int, ranks: int, batch_
             ray.init(num_cpus=max(2, ranks), object_store_memory=DEMO_OBJECT_STORE_BYTES,
                      include_dashboard=False, log_to_driver=False, logging_level="ERROR")
             console.print(f"Ray {ray.__version__} local cluster, Redis on loopback (password set)")
-            console.print(f"dashboard while it runs: shardcache dashboard --redis-url '{redact_url(redis_url)}'")
+            dashboard_url = _start_dashboard(redis_url)
+            console.print(f"dashboard (while the demo runs): {dashboard_url}  "
+                          f"[dim](Redis {redact_url(redis_url)})[/]")
             cfg = {"ray_address": ray.get_runtime_context().gcs_address, "url": url,
                    "storage_options": storage_options, "redis_url": redis_url, "epochs": epochs,
                    "batch_size": batch_size, "endpoint": emulator.endpoint_url if emulator else None,
