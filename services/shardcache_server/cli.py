@@ -142,12 +142,50 @@ def dashboard(redis_url: str = RedisOpt, namespace: str = NamespaceOpt,
               host: str = typer.Option("127.0.0.1", help="bind address; 127.0.0.1 by default"),
               port: int = typer.Option(8265 + 100, min=1, max=65535),
               token: str = typer.Option(None, envvar="SHARDCACHE_DASHBOARD_TOKEN",
-                                        help="require this bearer token")) -> None:
+                                        help="require this bearer token"),
+              allow_no_token: bool = typer.Option(
+                  False, envvar="SHARDCACHE_DASHBOARD_ALLOW_NO_TOKEN",
+                  help="serve beyond loopback without a token (behind a NetworkPolicy)")) -> None:
     """Serve the hit-rate dashboard and /metrics (reads Redis only)."""
     from shardcache_server.dashboard import serve
 
     with _friendly_errors():
-        serve(redis_url=redis_url, namespace=namespace, host=host, port=port, token=token)
+        serve(redis_url=redis_url, namespace=namespace, host=host, port=port, token=token,
+              allow_no_token=allow_no_token)
+
+
+@app.command()
+def stores(ray_address: str = typer.Option(None, envvar="RAY_ADDRESS"),
+           watch: bool = typer.Option(False, help="keep starting stores as nodes join"),
+           interval_s: float = typer.Option(15.0, min=1.0)) -> None:
+    """Start one store actor per Ray node (the chart runs this with --watch)."""
+    import time
+
+    from shardcache.embedded import attach_ray
+    from shardcache_server.cluster import ensure_stores
+    from shardcache_server.settings import ServiceSettings
+
+    with _friendly_errors():
+        settings = ServiceSettings()
+        attach_ray(ray_address)
+        while True:
+            handles = ensure_stores(settings)
+            console.print(f"{len(handles)} store(s) up in namespace {settings.namespace}")
+            if not watch:
+                return
+            time.sleep(interval_s)
+
+
+@app.command()
+def selftest(ray_address: str = typer.Option(None, envvar="RAY_ADDRESS"),
+             dashboard_url: str = typer.Option(None, help="also GET <url>/healthz"),
+             redis_url: str = RedisOpt, namespace: str = NamespaceOpt) -> None:
+    """Installed-cache check (the chart's `helm test`): Redis, dashboard, warm and hit."""
+    from shardcache_server.selftest import run_selftest
+
+    with _friendly_errors():
+        run_selftest(ray_address=ray_address, dashboard_url=dashboard_url, redis_url=redis_url,
+                     namespace=namespace, console=console)
 
 
 @local_app.command("stop")

@@ -213,7 +213,8 @@ def create_app(redis_url: str, namespace: str = keys.DEFAULT_NAMESPACE,
     ])
 
 
-def serve(*, redis_url: str | None, namespace: str, host: str, port: int, token: str | None) -> None:
+def serve(*, redis_url: str | None, namespace: str, host: str, port: int, token: str | None,
+          allow_no_token: bool = False) -> None:
     """Run the dashboard with uvicorn (blocking).
 
     Raises:
@@ -223,7 +224,7 @@ def serve(*, redis_url: str | None, namespace: str, host: str, port: int, token:
 
     from shardcache.embedded import local_redis_url
 
-    if host not in ("127.0.0.1", "localhost", "::1") and not token:
+    if host not in ("127.0.0.1", "localhost", "::1") and not token and not allow_no_token:
         raise ConfigError(f"refusing to serve the dashboard on {host} without a token; "
                           "set SHARDCACHE_DASHBOARD_TOKEN or bind to 127.0.0.1.")
     app = create_app(redis_url or local_redis_url(), namespace, token)

@@ -60,7 +60,8 @@ class S3Emulator:
     >>> emu.stop()
     """
 
-    def __init__(self, port: int = 0):
+    def __init__(self, port: int = 0, host: str = "127.0.0.1"):
+        self.host = host
         self.port = port
         self.gets: Counter[str] = Counter()
         self.requests = 0
@@ -72,7 +73,7 @@ class S3Emulator:
 
     @property
     def endpoint_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def storage_options(self) -> dict[str, Any]:
         """fsspec/s3fs options that point at this emulator with fake credentials."""
@@ -91,7 +92,7 @@ class S3Emulator:
                 pass
 
         moto_app = DomainDispatcherApplication(create_backend_app)
-        self._server = make_server("127.0.0.1", self.port, self._wrap(moto_app), threaded=True,
+        self._server = make_server(self.host, self.port, self._wrap(moto_app), threaded=True,
                                    request_handler=_QuietHandler)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)

@@ -1,0 +1,108 @@
+{{/* Chart name, truncated to the DNS label limit. */}}
+{{- define "shardcache.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Fully qualified app name. */}}
+{{- define "shardcache.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "shardcache.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Common labels; pass (dict "ctx" $ "component" "x"). */}}
+{{- define "shardcache.labels" -}}
+helm.sh/chart: {{ include "shardcache.chart" .ctx }}
+{{ include "shardcache.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+{{- end }}
+
+{{/* Selector labels: name + instance + component only (selectors are immutable). */}}
+{{- define "shardcache.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "shardcache.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "shardcache.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "shardcache.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "shardcache.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{- define "shardcache.redisSecretName" -}}
+{{- if .Values.redis.enabled }}
+{{- default (printf "%s-redis" (include "shardcache.fullname" .)) .Values.redis.auth.existingSecret }}
+{{- else }}
+{{- .Values.redis.external.existingSecret }}
+{{- end }}
+{{- end }}
+
+{{- define "shardcache.rayTokenSecretName" -}}
+{{- default (printf "%s-ray-token" (include "shardcache.fullname" .)) .Values.ray.auth.existingSecret }}
+{{- end }}
+
+{{- define "shardcache.headHost" -}}
+{{ include "shardcache.fullname" . }}-ray-head
+{{- end }}
+
+{{/* Environment every cache process shares: SHARDCACHE_* settings, Redis URL, Ray token. */}}
+{{- define "shardcache.env" -}}
+- name: SHARDCACHE_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "shardcache.redisSecretName" . }}
+      key: {{ if .Values.redis.enabled }}redis-password{{ else }}redis-url{{ end }}
+{{- if .Values.redis.enabled }}
+- name: SHARDCACHE_REDIS_URL
+  value: "redis://:$(SHARDCACHE_REDIS_PASSWORD)@{{ include "shardcache.fullname" . }}-redis:6379/0"
+{{- else }}
+- name: SHARDCACHE_REDIS_URL
+  value: "$(SHARDCACHE_REDIS_PASSWORD)"
+{{- end }}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "shardcache.rayTokenSecretName" . }}
+      key: token
+{{- if .Values.s3.existingSecret }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom: {secretKeyRef: {name: {{ .Values.s3.existingSecret }}, key: AWS_ACCESS_KEY_ID}}
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom: {secretKeyRef: {name: {{ .Values.s3.existingSecret }}, key: AWS_SECRET_ACCESS_KEY}}
+{{- end }}
+{{- end }}
+
+{{/* Validate values that the schema cannot express; collect messages, fail once. */}}
+{{- define "shardcache.validateValues" -}}
+{{- $messages := list }}
+{{- if and (not .Values.redis.enabled) (not .Values.redis.external.existingSecret) }}
+{{- $messages = append $messages "redis: set redis.enabled=true or redis.external.existingSecret (a Secret with key redis-url)." }}
+{{- end }}
+{{- if gt (int64 .Values.cache.cacheBytes) (int64 .Values.ray.objectStoreBytes) }}
+{{- $messages = append $messages "cache.cacheBytes must not exceed ray.objectStoreBytes: the store budget lives in the object store." }}
+{{- end }}
+{{- if $messages }}
+{{- fail (printf "\nVALUES VALIDATION:\n%s" (join "\n" $messages)) }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,200 @@
+"""The Helm chart, rendered by the real Helm engine (helm-python-sdk), validated
+against Kubernetes' OpenAPI schemas, and checked against the Python settings."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "shardcache"
+K8S_VERSION = "1.33.0"
+CRD_KINDS = {"RayCluster", "ServiceMonitor"}  # validated by their operators, not core OpenAPI
+
+helm = pytest.importorskip("helm_python")
+pytestmark = pytest.mark.helm
+
+
+def render(values: dict[str, Any] | None = None) -> dict[str, list[dict[str, Any]]]:
+    with helm.Chart.load(str(CHART)) as chart:
+        out = chart.render(values or {}, name="rel", namespace="cache")
+    docs: dict[str, list[dict[str, Any]]] = {}
+    for path, text in out.items():
+        if path.endswith(".txt"):
+            docs[path] = [{"NOTES": text}]
+            continue
+        docs[path] = [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def objects(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    return [d for path, ds in render(values).items() if not path.endswith(".txt") for d in ds]
+
+
+def ci_values() -> list[Path]:
+    return sorted((CHART / "ci").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("values_file", ci_values(), ids=lambda p: p.stem)
+def test_chart_renders_valid_kubernetes_objects_when_ci_values_set(values_file):
+    import kubernetes_validate
+
+    values = yaml.safe_load(values_file.read_text()) or {}
+    objs = objects(values)
+    assert objs
+    for obj in objs:
+        if obj["kind"] in CRD_KINDS:
+            continue
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_chart_lint_has_no_errors():
+    result = helm.lint(str(CHART))
+    assert result["errors"] == []
+    assert all(m["severity"] < 3 for m in result["messages"]), result["messages"]
+
+
+def test_values_schema_is_generated_from_values_yaml():
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_values_schema.py"), "--check"])
+    assert done.returncode == 0, "run scripts/gen_values_schema.py after editing values.yaml"
+
+
+@pytest.mark.parametrize("values_file", [CHART / "values.yaml", *ci_values()], ids=lambda p: p.stem)
+def test_values_files_satisfy_schema(values_file):
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.validate(yaml.safe_load(values_file.read_text()) or {}, schema)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"cache": {"cacheBytes": -1}}, "cacheBytes"),
+    ({"ray": {"objectStoreBytes": -5}}, "objectStoreBytes"),
+    ({"cache": {"eviction": "fifo"}}, "eviction"),
+    ({"unknownKey": 1}, "unknownKey"),
+])
+def test_values_schema_rejects_bad_values_with_readable_message(bad, match):
+    with pytest.raises(Exception, match=match) as info:
+        render(bad)
+    assert "values don't meet the specifications" in str(info.value) or match in str(info.value)
+
+
+def test_chart_validate_values_fails_once_with_all_messages():
+    with pytest.raises(Exception, match="cacheBytes must not exceed") as info:
+        render({"cache": {"cacheBytes": 2**40}, "redis": {"enabled": False}})
+    assert "redis.external.existingSecret" in str(info.value)
+
+
+def test_every_object_has_standard_labels_and_pods_roll_on_config_change():
+    for obj in objects():
+        labels = obj["metadata"].get("labels", {})
+        for key in ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
+                    "app.kubernetes.io/component", "app.kubernetes.io/managed-by", "helm.sh/chart"):
+            assert key in labels, (obj["kind"], obj["metadata"]["name"], key)
+        if obj["kind"] in ("Deployment", "DaemonSet"):
+            assert "checksum/config" in obj["spec"]["template"]["metadata"]["annotations"]
+
+
+def test_containers_run_non_root_with_read_only_root_fs():
+    for obj in objects():
+        spec = obj.get("spec", {}).get("template", {}).get("spec") or (obj["spec"] if obj["kind"] == "Pod" else None)
+        if not spec:
+            continue
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        for c in spec["containers"]:
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_chart_settings_match_python_config():
+    from shardcache.config import ClientConfig
+    from shardcache_server.cli import app
+    from shardcache_server.settings import ServiceSettings
+    import typer.main
+
+    known = {f"SHARDCACHE_{f.upper()}" for f in ServiceSettings.model_fields}
+    known |= {f"SHARDCACHE_{f.upper()}" for f in ClientConfig.model_fields}
+    command = typer.main.get_command(app)
+    for sub in command.commands.values():  # type: ignore[attr-defined]
+        for param in sub.params:
+            if getattr(param, "envvar", None):
+                known.add(param.envvar)
+    known.add("SHARDCACHE_REDIS_PASSWORD")  # only composes SHARDCACHE_REDIS_URL in the chart
+    objs = objects()
+    config = next(o for o in objs if o["kind"] == "ConfigMap")
+    assert set(config["data"]) <= known
+    assert config["data"]["SHARDCACHE_CACHE_BYTES"] == "8589934592"
+    ServiceSettings(**{k.removeprefix("SHARDCACHE_").lower(): v for k, v in config["data"].items()})
+    used = set(re.findall(r"SHARDCACHE_[A-Z_]+", yaml.safe_dump_all(objs)))
+    assert used <= known, used - known
+    # CLI entrypoints named by the chart exist.
+    commands = set(command.commands)  # type: ignore[attr-defined]
+    for obj in objs:
+        spec = obj.get("spec", {}).get("template", {}).get("spec") or obj.get("spec", {})
+        for c in spec.get("containers", []):
+            cmd = c.get("command", [])
+            if cmd and cmd[0] == "shardcache":
+                assert cmd[1] in commands, cmd
+    # The Redis URL the chart composes is one the client accepts.
+    redis_env = [e for o in objs for e in _env(o) if e["name"] == "SHARDCACHE_REDIS_URL"]
+    url = redis_env[0]["value"].replace("$(SHARDCACHE_REDIS_PASSWORD)", "pw")
+    ClientConfig(redis_url=url)
+
+
+def _env(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = obj.get("spec", {}).get("template", {}).get("spec") or obj.get("spec", {})
+    return [e for c in spec.get("containers", []) for e in c.get("env", [])]
+
+
+def test_notes_tell_how_to_point_a_job_and_warn_without_token():
+    notes = render()["shardcache/templates/NOTES.txt"][0]["NOTES"]
+    assert "SHARDCACHE_REDIS_URL" in notes and "port-forward" in notes and "RAY_AUTH_TOKEN" in notes
+    assert "WARNING" in notes
+    with_token = render({"dashboard": {"tokenSecret": "t"}})["shardcache/templates/NOTES.txt"][0]["NOTES"]
+    assert "WARNING" not in with_token
+
+
+def test_kuberay_renders_raycluster_instead_of_daemonset_when_kuberay_enabled_set():
+    kinds = {o["kind"] for o in objects({"kuberay": {"enabled": True}})}
+    assert "RayCluster" in kinds and "DaemonSet" not in kinds
+
+
+def test_external_redis_renders_no_statefulset_when_external_set():
+    objs = objects({"redis": {"enabled": False, "external": {"existingSecret": "team-redis"}}})
+    assert "StatefulSet" not in {o["kind"] for o in objs}
+    refs = [e["valueFrom"]["secretKeyRef"] for o in objs for e in _env(o) if "valueFrom" in e
+            and e["valueFrom"].get("secretKeyRef", {}).get("name") == "team-redis"]
+    assert refs and all(r["key"] == "redis-url" for r in refs)
+
+
+def test_network_policy_limits_ingress_to_own_pods_and_training_namespaces():
+    pols = [o for o in objects({"networkPolicy": {"trainingNamespaces": ["ml"]}}) if o["kind"] == "NetworkPolicy"]
+    assert {p["metadata"]["name"].rsplit("-", 1)[-1] for p in pols} >= {"redis", "shard", "dashboard", "head"}
+    for p in pols:
+        sources = p["spec"]["ingress"][0]["from"]
+        assert any("namespaceSelector" in s for s in sources)
+
+
+def test_no_secret_in_values_or_manifests_in_plain_text():
+    text = yaml.safe_dump_all(objects())
+    assert "AWS_SECRET_ACCESS_KEY:" not in text.replace("key: AWS_SECRET_ACCESS_KEY", "")
+
+
+def test_dockerfiles_pass_hadolint_and_copy_existing_paths():
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    files = sorted((ROOT / "docker").glob("*Dockerfile"))
+    assert files
+    done = subprocess.run([hadolint, *map(str, files)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for f in files:
+        for line in f.read_text().splitlines():
+            if line.startswith("COPY") and "--from" not in line:
+                for src in line.split()[1:-1]:
+                    assert (ROOT / src).exists(), f"{f.name}: COPY {src} does not exist"
