@@ -32,8 +32,18 @@ EXTRA: dict[str, dict[str, Any]] = {
     "redis.external.url": {"pattern": "^$|^rediss?://"},
     "redis.persistence.size": {"pattern": "^[0-9]+(Ki|Mi|Gi|Ti)$"},
 }
-FREE_FORM = {"resources", "nodeSelector", "tolerations", "affinity", "annotations",
-             "podSecurityContext", "securityContext", "imagePullSecrets", "requests", "limits"}
+FREE_FORM = {
+    "resources",
+    "nodeSelector",
+    "tolerations",
+    "affinity",
+    "annotations",
+    "podSecurityContext",
+    "securityContext",
+    "imagePullSecrets",
+    "requests",
+    "limits",
+}
 
 
 def _comments(text: str) -> dict[str, str]:
@@ -53,18 +63,29 @@ def _comments(text: str) -> dict[str, str]:
 
 
 def _type(value: Any) -> str:
-    return {bool: "boolean", int: "integer", float: "number", str: "string",
-            list: "array", dict: "object"}[type(value)]
+    return {
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        str: "string",
+        list: "array",
+        dict: "object",
+    }[type(value)]
 
 
 def _schema(value: Any, path: str, notes: dict[str, str]) -> dict[str, Any]:
     name = path.rsplit(".", 1)[-1]
-    node: dict[str, Any] = {"type": _type(value), "description": notes.get(path) or name,
-                            "default": value}
+    node: dict[str, Any] = {
+        "type": _type(value),
+        "description": notes.get(path) or name,
+        "default": value,
+    }
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         node["minimum"] = 0
     if isinstance(value, dict) and name not in FREE_FORM:
-        node["properties"] = {k: _schema(v, f"{path}.{k}" if path else k, notes) for k, v in value.items()}
+        node["properties"] = {
+            k: _schema(v, f"{path}.{k}" if path else k, notes) for k, v in value.items()
+        }
         node["additionalProperties"] = False
     node.update(EXTRA.get(path, {}))
     return node
@@ -77,7 +98,11 @@ def build() -> dict[str, Any]:
     schema = _schema(values, "", notes)
     schema.pop("default")
     schema["description"] = "shardcache chart values"
-    return {"$schema": "https://json-schema.org/draft-07/schema#", "title": "shardcache", **schema}
+    return {
+        "$schema": "https://json-schema.org/draft-07/schema#",
+        "title": "shardcache",
+        **schema,
+    }
 
 
 if __name__ == "__main__":

@@ -21,16 +21,24 @@ OBJECT_STORE_BYTES = 120 * 2**20  # per node: small, so two nodes fit in CI
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--redis-url", default=None, help="reuse an external Redis instead of starting one")
+    parser.addoption(
+        "--redis-url",
+        default=None,
+        help="reuse an external Redis instead of starting one",
+    )
 
 
 @pytest.fixture(scope="session")
-def redis_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def redis_url(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     external = request.config.getoption("--redis-url")
     if external:
         yield external
         return
-    proc, url = start_redis_server(tmp_path_factory.mktemp("redis"), password="test-" + uuid.uuid4().hex)
+    proc, url = start_redis_server(
+        tmp_path_factory.mktemp("redis"), password="test-" + uuid.uuid4().hex
+    )
     yield url
     proc.terminate()
     proc.wait(timeout=10)
@@ -55,8 +63,11 @@ def s3_server() -> Iterator[S3Emulator]:
 @pytest.fixture(autouse=True)
 def _s3_env(monkeypatch: pytest.MonkeyPatch) -> None:
     # Fake credentials so nothing ever reaches a real account.
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
 
@@ -94,11 +105,19 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from ray.cluster_utils import Cluster
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    node_args = {"num_cpus": 2, "object_store_memory": OBJECT_STORE_BYTES,
-                 "node_ip_address": "127.0.0.1"}
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={**node_args, "include_dashboard": False,
-                                      "resources": {"node0": 1}})
+    node_args = {
+        "num_cpus": 2,
+        "object_store_memory": OBJECT_STORE_BYTES,
+        "node_ip_address": "127.0.0.1",
+    }
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            **node_args,
+            "include_dashboard": False,
+            "resources": {"node0": 1},
+        },
+    )
     cluster.add_node(**node_args, resources={"node1": 1})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False, logging_level="WARNING")
@@ -124,7 +143,9 @@ def node_ids(ray_cluster: Any) -> list[str]:
     import ray
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    by_res = {("node0" if "node0" in n["Resources"] else "node1"): n["NodeID"] for n in nodes}
+    by_res = {
+        ("node0" if "node0" in n["Resources"] else "node1"): n["NodeID"] for n in nodes
+    }
     return [by_res["node0"], by_res["node1"]]
 
 

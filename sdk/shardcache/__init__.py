@@ -31,10 +31,22 @@ if TYPE_CHECKING:
     from shardcache.dataset import DistributedCachedDataset
 
 __all__ = [
-    "BackendError", "CacheClient", "CacheMiss", "ClientConfig", "ConfigError",
-    "CorruptObjectError", "DistributedCachedDataset", "EmptyDatasetError",
-    "IndexUnavailable", "PreprocessError", "RemoteFetchError", "ShardCacheError",
-    "ShardUnavailable", "SourceNotFound", "StaleVersionError", "TransformError",
+    "BackendError",
+    "CacheClient",
+    "CacheMiss",
+    "ClientConfig",
+    "ConfigError",
+    "CorruptObjectError",
+    "DistributedCachedDataset",
+    "EmptyDatasetError",
+    "IndexUnavailable",
+    "PreprocessError",
+    "RemoteFetchError",
+    "ShardCacheError",
+    "ShardUnavailable",
+    "SourceNotFound",
+    "StaleVersionError",
+    "TransformError",
 ]
 __version__ = "0.1.0"
 

@@ -71,7 +71,9 @@ class CacheClient:
         from shardcache_server.cluster import ensure_stores
         from shardcache_server.settings import ServiceSettings
 
-        settings = ServiceSettings(redis_url=self.redis_url, namespace=self.config.namespace)
+        settings = ServiceSettings(
+            redis_url=self.redis_url, namespace=self.config.namespace
+        )
         handles = ensure_stores(settings)
         node = ray.get_runtime_context().get_node_id()
         if node not in handles:
@@ -85,10 +87,16 @@ class CacheClient:
 
         self.attach()
         self._registered[spec["name"]] = (spec, preprocess)
-        self._call(lambda: ray.get(self._store.register.remote(spec, preprocess),
-                                   timeout=self.config.request_timeout_s))
+        self._call(
+            lambda: ray.get(
+                self._store.register.remote(spec, preprocess),
+                timeout=self.config.request_timeout_s,
+            )
+        )
 
-    def get_refs(self, name: str, generation: int, items: Sequence[tuple[str, str, int]]) -> list[tuple[str, Any]]:
+    def get_refs(
+        self, name: str, generation: int, items: Sequence[tuple[str, str, int]]
+    ) -> list[tuple[str, Any]]:
         """One store call for a batch: ``(status, ObjectRef)`` per item.
 
         Raises:
@@ -99,20 +107,29 @@ class CacheClient:
         import ray
 
         self.attach()
-        for attempt in range(STORE_RETRIES + 1):
-            results = self._call(lambda: ray.get(
-                self._store.get.remote(name, generation, list(items)),
-                timeout=self.config.request_timeout_s))
+        for _attempt in range(STORE_RETRIES + 1):
+            results = self._call(
+                lambda: ray.get(
+                    self._store.get.remote(name, generation, list(items)),
+                    timeout=self.config.request_timeout_s,
+                )
+            )
             if results and results[0][0] == "unregistered":
                 spec, fn = self._registered[name]
                 spec = {**spec, "generation": generation}
-                self._call(lambda spec=spec, fn=fn: ray.get(self._store.register.remote(spec, fn)))
+                self._call(
+                    lambda spec=spec, fn=fn: ray.get(
+                        self._store.register.remote(spec, fn)
+                    )
+                )
                 continue
             for res in results:
                 if res[0] == "error":
                     raise_item_error(res[1], res[2])
             return [(r[0], r[1]) for r in results]
-        raise ShardUnavailable(f"the store kept losing dataset {name!r}; see the store logs.")
+        raise ShardUnavailable(
+            f"the store kept losing dataset {name!r}; see the store logs."
+        )
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         import ray
@@ -121,7 +138,10 @@ class CacheClient:
         for attempt in range(STORE_RETRIES + 1):
             try:
                 return fn()
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            except (
+                ray.exceptions.RayActorError,
+                ray.exceptions.ActorUnavailableError,
+            ) as exc:
                 # The store died: Ray restarts it (max_restarts) or we start a
                 # new one; either way it has lost its cache and re-fetches.
                 last = exc
@@ -134,4 +154,6 @@ class CacheClient:
                     f"the cache store did not answer within {self.config.request_timeout_s:.0f}s. "
                     "Raise SHARDCACHE_REQUEST_TIMEOUT_S or check the source's latency."
                 ) from exc
-        raise ShardUnavailable(f"the cache store on this node keeps failing: {last}") from last
+        raise ShardUnavailable(
+            f"the cache store on this node keeps failing: {last}"
+        ) from last

@@ -47,7 +47,9 @@ class ClientConfig(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _check_redis_url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
+        if value is not None and not value.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
             raise ValueError(
                 f"redis_url must start with redis://, rediss:// or unix://, got "
                 f"scheme {value.split(':', 1)[0]!r}. Set SHARDCACHE_REDIS_URL."

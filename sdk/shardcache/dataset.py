@@ -48,7 +48,10 @@ def default_name(urls: str | Sequence[str]) -> str:
     """
     first = urls if isinstance(urls, str) else "|".join(urls)
     stem = urls if isinstance(urls, str) else urls[0]
-    words = re.sub(r"[^A-Za-z0-9]+", "-", stem.split("://", 1)[-1]).strip("-")[:60] or "data"
+    words = (
+        re.sub(r"[^A-Za-z0-9]+", "-", stem.split("://", 1)[-1]).strip("-")[:60]
+        or "data"
+    )
     return f"{words}-{hashlib.sha256(first.encode()).hexdigest()[:8]}"
 
 
@@ -93,23 +96,48 @@ class DistributedCachedDataset(Dataset[Any]):
         IndexUnavailable: Redis cannot be reached.
     """
 
-    def __init__(self, urls: str | Sequence[str], preprocess: Callable[[bytes], Any] | None = None,
-                 transform: Callable[[Any], Any] | None = None, *,
-                 storage_options: dict[str, Any] | None = None, redis_url: str | None = None,
-                 ray_address: str | None = None, rank: int | None = None,
-                 world_size: int | None = None, shuffle: bool | str = True, seed: int = 0,
-                 drop_last: bool = False, name: str | None = None, namespace: str | None = None,
-                 prefetch_batches: int | None = None, job: str | None = None,
-                 target: Callable[[str], Any] | None = None):
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        preprocess: Callable[[bytes], Any] | None = None,
+        transform: Callable[[Any], Any] | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        redis_url: str | None = None,
+        ray_address: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle: bool | str = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        name: str | None = None,
+        namespace: str | None = None,
+        prefetch_batches: int | None = None,
+        job: str | None = None,
+        target: Callable[[str], Any] | None = None,
+    ):
         if preprocess is not None and not callable(preprocess):
-            raise ConfigError(f"preprocess must be callable or None, got {type(preprocess).__name__}.")
+            raise ConfigError(
+                f"preprocess must be callable or None, got {type(preprocess).__name__}."
+            )
         if target is not None and not callable(target):
-            raise ConfigError(f"target must be callable or None, got {type(target).__name__}.")
+            raise ConfigError(
+                f"target must be callable or None, got {type(target).__name__}."
+            )
         if transform is not None and not callable(transform):
-            raise ConfigError(f"transform must be callable or None, got {type(transform).__name__}.")
-        overrides = {k: v for k, v in {"redis_url": redis_url, "ray_address": ray_address,
-                                       "namespace": namespace,
-                                       "prefetch_batches": prefetch_batches}.items() if v is not None}
+            raise ConfigError(
+                f"transform must be callable or None, got {type(transform).__name__}."
+            )
+        overrides = {
+            k: v
+            for k, v in {
+                "redis_url": redis_url,
+                "ray_address": ray_address,
+                "namespace": namespace,
+                "prefetch_batches": prefetch_batches,
+            }.items()
+            if v is not None
+        }
         try:
             self.config = ClientConfig(**overrides)
         except ValueError as exc:
@@ -117,15 +145,28 @@ class DistributedCachedDataset(Dataset[Any]):
         world = World.detect()
         self.rank = world.rank if rank is None else rank
         self.world_size = world.world_size if world_size is None else world_size
-        self.name = validate_name("name", name) if name is not None else default_name(urls)
+        self.name = (
+            validate_name("name", name) if name is not None else default_name(urls)
+        )
         self.urls, self.storage_options = urls, dict(storage_options or {})
         self.preprocess = preprocess or raw_bytes
         self.transform = transform
         self.target = target
-        self.job = job or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SHARDCACHE_JOB") or "job"
+        self.job = (
+            job
+            or os.environ.get("TORCHELASTIC_RUN_ID")
+            or os.environ.get("SHARDCACHE_JOB")
+            or "job"
+        )
         self.manifest: Manifest = list_source(urls, self.storage_options)
-        self._sampler = ShardSampler([o.url for o in self.manifest.objects], self.rank, self.world_size,
-                                     shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self._sampler = ShardSampler(
+            [o.url for o in self.manifest.objects],
+            self.rank,
+            self.world_size,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
         self.fingerprint = fingerprint(self.preprocess)
         self._client = CacheClient(self.config)
         self.generation = self._register_in_index()
@@ -136,9 +177,13 @@ class DistributedCachedDataset(Dataset[Any]):
         index = self._client.index
         total = sum(o.size for o in self.manifest.objects)
         source = self.urls if isinstance(self.urls, str) else f"{len(self.urls)} urls"
-        generation = index.register(self.name, source, self.fingerprint, len(self.manifest), total)
+        generation = index.register(
+            self.name, source, self.fingerprint, len(self.manifest), total
+        )
         # A changed ETag invalidates exactly the changed objects.
-        index.invalidate_changed(self.name, generation, {o.url: o.etag for o in self.manifest.objects})
+        index.invalidate_changed(
+            self.name, generation, {o.url: o.etag for o in self.manifest.objects}
+        )
         return generation
 
     def _reset_process_state(self) -> None:
@@ -151,7 +196,13 @@ class DistributedCachedDataset(Dataset[Any]):
         self._prefetcher: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._waits = WaitRecorder()
-        self._counts = {"hits": 0, "misses": 0, "remote_reads": 0, "bytes": 0, "samples": 0}
+        self._counts = {
+            "hits": 0,
+            "misses": 0,
+            "remote_reads": 0,
+            "bytes": 0,
+            "samples": 0,
+        }
         self._consumed = 0
         self._cursor = 0
         self._batch_size = 0
@@ -176,9 +227,13 @@ class DistributedCachedDataset(Dataset[Any]):
         if self._pid != os.getpid():
             self._client = CacheClient(self.config)
             self._reset_process_state()
-        spec = {"name": self.name, "protocol": self.manifest.protocol,
-                "storage_options": self.storage_options, "fingerprint": self.fingerprint,
-                "generation": self.generation}
+        spec = {
+            "name": self.name,
+            "protocol": self.manifest.protocol,
+            "storage_options": self.storage_options,
+            "fingerprint": self.fingerprint,
+            "generation": self.generation,
+        }
         self._client.register(spec, self.preprocess)
         self._attached = True
 
@@ -213,14 +268,20 @@ class DistributedCachedDataset(Dataset[Any]):
             generation = self._current_generation()
             try:
                 self._ensure_refs(indices, generation)
-                values = ray.get([self._refs[i] for i in indices],
-                                 timeout=self.config.request_timeout_s)
+                values = ray.get(
+                    [self._refs[i] for i in indices],
+                    timeout=self.config.request_timeout_s,
+                )
                 break
             except StaleVersionError:
                 if attempt == 2:
                     raise
-                self.generation = -1  # force a re-read; never mix generations in a batch
-        samples = [self._apply_transform(i, _to_tensor(v)) for i, v in zip(indices, values)]
+                self.generation = (
+                    -1
+                )  # force a re-read; never mix generations in a batch
+        samples = [
+            self._apply_transform(i, _to_tensor(v)) for i, v in zip(indices, values, strict=False)
+        ]
         self._waits.record(time.perf_counter() - started)
         self._counts["samples"] += len(indices)
         self._consumed += len(indices)
@@ -268,7 +329,11 @@ class DistributedCachedDataset(Dataset[Any]):
         return generation
 
     def _ensure_refs(self, indices: Sequence[int], generation: int) -> None:
-        waiting = [self._pending[i] for i in indices if i not in self._refs and i in self._pending]
+        waiting = [
+            self._pending[i]
+            for i in indices
+            if i not in self._refs and i in self._pending
+        ]
         for fut in waiting:
             fut.result()
         missing = sorted({i for i in indices if i not in self._refs})
@@ -283,11 +348,15 @@ class DistributedCachedDataset(Dataset[Any]):
 
     def _resolve(self, indices: list[int], generation: int) -> None:
         objs = self.manifest.objects
-        results = self._client.get_refs(self.name, generation, [(objs[i].url, objs[i].etag, objs[i].size) for i in indices])
+        results = self._client.get_refs(
+            self.name,
+            generation,
+            [(objs[i].url, objs[i].etag, objs[i].size) for i in indices],
+        )
         with self._lock:
             if generation != self._refs_generation:
                 return
-            for i, (status, ref) in zip(indices, results):
+            for i, (status, ref) in zip(indices, results, strict=False):
                 self._refs[i] = ref
                 self._unread.add(i)
                 if status == "fetched":
@@ -302,12 +371,21 @@ class DistributedCachedDataset(Dataset[Any]):
         if not self.config.prefetch_batches or not self._batch_size:
             return
         order = self._sampler.order()
-        window = order[self._cursor:self._cursor + self.config.prefetch_batches * self._batch_size]
-        todo = [int(i) for i in window if int(i) not in self._refs and int(i) not in self._pending]
+        window = order[
+            self._cursor : self._cursor
+            + self.config.prefetch_batches * self._batch_size
+        ]
+        todo = [
+            int(i)
+            for i in window
+            if int(i) not in self._refs and int(i) not in self._pending
+        ]
         if not todo:
             return
         if self._prefetcher is None:
-            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="shardcache-prefetch")
+            self._prefetcher = ThreadPoolExecutor(
+                1, thread_name_prefix="shardcache-prefetch"
+            )
         generation = self._refs_generation
         fut = self._prefetcher.submit(self._prefetch, todo, generation)
         for i in todo:
@@ -330,16 +408,25 @@ class DistributedCachedDataset(Dataset[Any]):
     # -- stats, state, invalidation ---------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """This rank's counters and wait percentiles, plus the dataset's cluster totals."""
-        out: dict[str, Any] = {"rank": self.rank, "dataset": self.name,
-                               "generation": self.generation, **self._counts,
-                               "batches": self._waits.batches, "index_errors": self._index_errors,
-                               **self._waits.summary()}
+        out: dict[str, Any] = {
+            "rank": self.rank,
+            "dataset": self.name,
+            "generation": self.generation,
+            **self._counts,
+            "batches": self._waits.batches,
+            "index_errors": self._index_errors,
+            **self._waits.summary(),
+        }
         total = out["hits"] + out["misses"]
         out["hit_rate"] = out["hits"] / total if total else 0.0
         try:
             cluster = self._client.index.stats(self.name)
-            out["cluster"] = {"hits": cluster.hits, "misses": cluster.misses,
-                              "remote_reads": cluster.remote_reads, "hit_rate": cluster.hit_rate}
+            out["cluster"] = {
+                "hits": cluster.hits,
+                "misses": cluster.misses,
+                "remote_reads": cluster.remote_reads,
+                "hit_rate": cluster.hit_rate,
+            }
         except IndexUnavailable:
             out["cluster"] = None
         return out
@@ -347,8 +434,14 @@ class DistributedCachedDataset(Dataset[Any]):
     def _report_rank(self) -> None:
         if self._waits.batches == 0:
             return
-        report = {**self._counts, **self._waits.summary(), "batches": self._waits.batches,
-                  "epoch": self._sampler.epoch, "generation": self.generation, "ts": time.time()}
+        report = {
+            **self._counts,
+            **self._waits.summary(),
+            "batches": self._waits.batches,
+            "epoch": self._sampler.epoch,
+            "generation": self.generation,
+            "ts": time.time(),
+        }
         try:
             self._client.index.record_rank(self.name, self.job, self.rank, report)
         except IndexUnavailable:
@@ -373,22 +466,29 @@ class DistributedCachedDataset(Dataset[Any]):
                 f"{len(manifest)}); build a new DistributedCachedDataset so every rank "
                 "agrees on the shards."
             )
-        stale = {i for i, (old, new) in enumerate(zip(self.manifest.objects, manifest.objects))
-                 if old.etag != new.etag}
+        stale = {
+            i
+            for i, (old, new) in enumerate(zip(self.manifest.objects, manifest.objects, strict=False))
+            if old.etag != new.etag
+        }
         self.manifest = manifest
         with self._lock:
             for i in stale:
                 self._refs.pop(i, None)
                 self._unread.discard(i)
         return self._client.index.invalidate_changed(
-            self.name, self.generation, {o.url: o.etag for o in manifest.objects})
+            self.name, self.generation, {o.url: o.etag for o in manifest.objects}
+        )
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Where this rank is; ``consumed`` overrides the count seen by this process
         (pass it when DataLoader workers fetch, e.g. ``batches_done * batch_size``)."""
-        return {"epoch": self._sampler.epoch,
-                "consumed": self._consumed if consumed is None else int(consumed),
-                "manifest": self.manifest.digest, **self._sampler.state()}
+        return {
+            "epoch": self._sampler.epoch,
+            "consumed": self._consumed if consumed is None else int(consumed),
+            "manifest": self.manifest.digest,
+            **self._sampler.state(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume mid-epoch: the next iteration yields exactly the unseen samples.
@@ -399,11 +499,15 @@ class DistributedCachedDataset(Dataset[Any]):
         mine = self._sampler.state()
         for key in ("seed", "rank", "world_size", "mode"):
             if state.get(key) != mine[key]:
-                raise ConfigError(f"state_dict has {key}={state.get(key)!r} but this dataset has "
-                                  f"{mine[key]!r}; resume with the same settings.")
+                raise ConfigError(
+                    f"state_dict has {key}={state.get(key)!r} but this dataset has "
+                    f"{mine[key]!r}; resume with the same settings."
+                )
         if state.get("manifest") != self.manifest.digest:
-            raise ConfigError("state_dict was saved for a different listing of the source; "
-                              "the objects changed, so the shards would not match.")
+            raise ConfigError(
+                "state_dict was saved for a different listing of the source; "
+                "the objects changed, so the shards would not match."
+            )
         self._sampler.resume(int(state["epoch"]), int(state["consumed"]))
         self._consumed = int(state["consumed"])
         self._cursor = int(state["consumed"])

@@ -29,4 +29,7 @@ def decode_image(data: bytes) -> np.ndarray:
 
 def decode_image_chw(data: bytes) -> np.ndarray:
     """Decode to CHW float32 in [0, 1], the layout a CNN takes."""
-    return np.ascontiguousarray(decode_image(data).transpose(2, 0, 1), dtype=np.float32) / 255.0
+    return (
+        np.ascontiguousarray(decode_image(data).transpose(2, 0, 1), dtype=np.float32)
+        / 255.0
+    )

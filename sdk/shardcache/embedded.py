@@ -22,7 +22,13 @@ from filelock import FileLock
 
 from shardcache.errors import ConfigError, IndexUnavailable, ShardUnavailable
 
-__all__ = ["attach_ray", "find_redis_server", "local_redis_url", "state_dir", "stop_local"]
+__all__ = [
+    "attach_ray",
+    "find_redis_server",
+    "local_redis_url",
+    "state_dir",
+    "stop_local",
+]
 
 REDIS_START_TIMEOUT_S = 10.0
 RAY_START_TIMEOUT_S = 120.0
@@ -30,7 +36,9 @@ RAY_START_TIMEOUT_S = 120.0
 
 def state_dir() -> Path:
     """``$SHARDCACHE_HOME`` or ``~/.cache/shardcache``; created 0700."""
-    base = os.environ.get("SHARDCACHE_HOME") or str(Path.home() / ".cache" / "shardcache")
+    base = os.environ.get("SHARDCACHE_HOME") or str(
+        Path.home() / ".cache" / "shardcache"
+    )
     path = Path(base)
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
@@ -74,8 +82,9 @@ def _redis_alive(url: str) -> bool:
         return False
 
 
-def start_redis_server(directory: Path, port: int | None = None,
-                       password: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
+def start_redis_server(
+    directory: Path, port: int | None = None, password: str | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
     """Start a real ``redis-server`` on 127.0.0.1 and wait for PING.
 
     Returns the process and its URL (with the password when one is set).
@@ -84,13 +93,32 @@ def start_redis_server(directory: Path, port: int | None = None,
         IndexUnavailable: it did not answer in time.
     """
     port = port or free_port()
-    args = [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", str(directory)]
+    args = [
+        find_redis_server(),
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(directory),
+    ]
     if password:
         args += ["--requirepass", password]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    url = f"redis://:{password}@127.0.0.1:{port}/0" if password else f"redis://127.0.0.1:{port}/0"
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    url = (
+        f"redis://:{password}@127.0.0.1:{port}/0"
+        if password
+        else f"redis://127.0.0.1:{port}/0"
+    )
     deadline = time.monotonic() + REDIS_START_TIMEOUT_S
     while time.monotonic() < deadline:
         if _redis_alive(url):
@@ -132,8 +160,12 @@ def attach_ray(address: str | None, *, namespace: str | None = None) -> None:
 
     if ray.is_initialized():
         return
-    kwargs: dict[str, Any] = {"namespace": namespace, "log_to_driver": False,
-                              "logging_level": "WARNING", "configure_logging": True}
+    kwargs: dict[str, Any] = {
+        "namespace": namespace,
+        "log_to_driver": False,
+        "logging_level": "WARNING",
+        "configure_logging": True,
+    }
     if address is not None:
         try:
             ray.init(address=address, **kwargs)
@@ -151,11 +183,21 @@ def attach_ray(address: str | None, *, namespace: str | None = None) -> None:
         except (ConnectionError, RuntimeError, ValueError):
             pass
         ray_bin = Path(sys.executable).parent / "ray"
-        cmd = [str(ray_bin), "start", "--head", "--node-ip-address=127.0.0.1",
-               "--include-dashboard=false", "--disable-usage-stats"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=RAY_START_TIMEOUT_S)
+        cmd = [
+            str(ray_bin),
+            "start",
+            "--head",
+            "--node-ip-address=127.0.0.1",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ]
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=RAY_START_TIMEOUT_S
+        )
         if done.returncode != 0:
-            raise ShardUnavailable(f"`ray start --head` failed: {done.stderr.strip()[-500:]}")
+            raise ShardUnavailable(
+                f"`ray start --head` failed: {done.stderr.strip()[-500:]}"
+            )
         (home / "ray.json").write_text(json.dumps({"started": time.time()}))
         ray.init(address="auto", **kwargs)
 
@@ -175,7 +217,9 @@ def stop_local() -> list[str]:
         state.unlink()
     if (home / "ray.json").exists():
         ray_bin = Path(sys.executable).parent / "ray"
-        subprocess.run([str(ray_bin), "stop", "--force"], capture_output=True, timeout=120)
+        subprocess.run(
+            [str(ray_bin), "stop", "--force"], capture_output=True, timeout=120
+        )
         (home / "ray.json").unlink()
         stopped.append("ray")
     return stopped

@@ -25,7 +25,9 @@ def _describe(value: Any, depth: int = 0) -> str:
 def _callable_text(fn: Callable[..., Any], depth: int = 0) -> str:
     if isinstance(fn, functools.partial):
         args = ",".join(_describe(a, depth) for a in fn.args)
-        kwargs = ",".join(f"{k}={_describe(v, depth)}" for k, v in sorted(fn.keywords.items()))
+        kwargs = ",".join(
+            f"{k}={_describe(v, depth)}" for k, v in sorted(fn.keywords.items())
+        )
         return f"partial({_callable_text(fn.func, depth)};{args};{kwargs})"
     target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn)
     name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
@@ -38,10 +40,13 @@ def _callable_text(fn: Callable[..., Any], depth: int = 0) -> str:
     func = getattr(fn, "__func__", fn)
     if inspect.isfunction(func):
         if func.__defaults__:
-            bound += "defaults=" + ",".join(_describe(d, depth) for d in func.__defaults__)
+            bound += "defaults=" + ",".join(
+                _describe(d, depth) for d in func.__defaults__
+            )
         if func.__kwdefaults__:
             bound += "kwdefaults=" + ",".join(
-                f"{k}={_describe(v, depth)}" for k, v in sorted(func.__kwdefaults__.items())
+                f"{k}={_describe(v, depth)}"
+                for k, v in sorted(func.__kwdefaults__.items())
             )
         if func.__closure__:
             cells = []
@@ -53,7 +58,9 @@ def _callable_text(fn: Callable[..., Any], depth: int = 0) -> str:
             bound += "closure=" + ",".join(cells)
     if not inspect.isfunction(fn) and not inspect.ismethod(fn):
         state = getattr(fn, "__dict__", {})
-        bound += "state=" + ",".join(f"{k}={_describe(v, depth)}" for k, v in sorted(state.items()))
+        bound += "state=" + ",".join(
+            f"{k}={_describe(v, depth)}" for k, v in sorted(state.items())
+        )
     return f"{name}\n{source}\n{bound}"
 
 

@@ -26,8 +26,15 @@ SERIES_BUCKET_S = 10  # resolution of the hit-rate time series
 SERIES_TTL_S = 2 * 24 * 3600  # two days of history
 _CHUNK = 1000  # paths per HMGET/HDEL so one call never blocks Redis for long
 COUNTERS = (
-    "hits", "misses", "remote_reads", "bytes_read", "bytes_served",
-    "fetch_ms_total", "evictions", "errors", "uncached",
+    "hits",
+    "misses",
+    "remote_reads",
+    "bytes_read",
+    "bytes_served",
+    "fetch_ms_total",
+    "evictions",
+    "errors",
+    "uncached",
 )
 
 
@@ -36,7 +43,10 @@ def map_redis_errors(url: str) -> Iterator[None]:
     """Turn redis-py exceptions into :class:`IndexUnavailable` with the fix."""
     try:
         yield
-    except (redis.AuthenticationError, redis.exceptions.AuthenticationWrongNumberOfArgsError) as exc:
+    except (
+        redis.AuthenticationError,
+        redis.exceptions.AuthenticationWrongNumberOfArgsError,
+    ) as exc:
         raise IndexUnavailable(
             f"Redis at {redact_url(url)} refused the credentials. Put the password in "
             "the URL (redis://:PASSWORD@host:port) or set SHARDCACHE_REDIS_URL."
@@ -47,7 +57,9 @@ def map_redis_errors(url: str) -> Iterator[None]:
                 f"Redis at {redact_url(url)} needs a password. Put it in the URL "
                 "(redis://:PASSWORD@host:port) or set SHARDCACHE_REDIS_URL."
             ) from exc
-        raise IndexUnavailable(f"Redis at {redact_url(url)} answered an error: {exc}") from exc
+        raise IndexUnavailable(
+            f"Redis at {redact_url(url)} answered an error: {exc}"
+        ) from exc
     except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
         raise IndexUnavailable(
             f"cannot reach Redis at {redact_url(url)} ({type(exc).__name__}). Check that "
@@ -71,7 +83,9 @@ def connect_redis(url: str, *, timeout_s: float = 5.0) -> redis.Redis:
             decode_responses=True,
         )
     except ValueError as exc:
-        raise ConfigError(f"redis_url {redact_url(url)!r} is not a valid Redis URL: {exc}") from exc
+        raise ConfigError(
+            f"redis_url {redact_url(url)!r} is not a valid Redis URL: {exc}"
+        ) from exc
     with map_redis_errors(url):
         client.ping()
     return client
@@ -141,11 +155,11 @@ if fp ~= ARGV[3] then
   local ev = cjson.encode({ts=tonumber(ARGV[4]), kind='invalidate', dataset=ARGV[1],
                            generation=gen, reason='preprocess fingerprint changed'})
   redis.call('LPUSH', KEYS[3], ev)
-  redis.call('LTRIM', KEYS[3], 0, %d)
+  redis.call('LTRIM', KEYS[3], 0, EVENTS_CAP)
   redis.call('PUBLISH', KEYS[4], cjson.encode({dataset=ARGV[1], generation=gen}))
 end
 return gen
-""" % (EVENTS_KEPT - 1)
+""".replace("EVENTS_CAP", str(EVENTS_KEPT - 1))
 
 # KEYS[1] dataset hash, KEYS[2] events list, KEYS[3] channel
 # ARGV[1] name, ARGV[2] now, ARGV[3] reason, ARGV[4] key prefix
@@ -158,10 +172,10 @@ redis.call('UNLINK', ARGV[4] .. ':entries:' .. ARGV[1] .. ':v' .. (gen - 1),
 local ev = cjson.encode({ts=tonumber(ARGV[2]), kind='invalidate', dataset=ARGV[1],
                          generation=gen, reason=ARGV[3]})
 redis.call('LPUSH', KEYS[2], ev)
-redis.call('LTRIM', KEYS[2], 0, %d)
+redis.call('LTRIM', KEYS[2], 0, EVENTS_CAP)
 redis.call('PUBLISH', KEYS[3], cjson.encode({dataset=ARGV[1], generation=gen}))
 return gen
-""" % (EVENTS_KEPT - 1)
+""".replace("EVENTS_CAP", str(EVENTS_KEPT - 1))
 
 # KEYS[1] owners hash; ARGV[1] claimant, ARGV[2..] paths. Returns each owner.
 _CLAIM = """
@@ -206,7 +220,9 @@ class RedisIndex:
         namespace: the deployment namespace. Defaults to ``"default"``.
     """
 
-    def __init__(self, client: redis.Redis, url: str, namespace: str = keys.DEFAULT_NAMESPACE):
+    def __init__(
+        self, client: redis.Redis, url: str, namespace: str = keys.DEFAULT_NAMESPACE
+    ):
         self.client = client
         self.url = url
         self.ns = keys.validate_name("namespace", namespace)
@@ -224,14 +240,30 @@ class RedisIndex:
         return map_redis_errors(self.url)
 
     # -- datasets -------------------------------------------------------------
-    def register(self, name: str, source: str, fp: str, objects: int, total_bytes: int) -> int:
+    def register(
+        self, name: str, source: str, fp: str, objects: int, total_bytes: int
+    ) -> int:
         """Create or refresh a dataset; a new fingerprint starts a new generation."""
         with self.errors():
-            return int(self._register(
-                keys=[keys.dataset_key(self.ns, name), keys.datasets_key(self.ns),
-                      keys.events_key(self.ns), keys.invalidation_channel(self.ns)],
-                args=[name, source, fp, time.time(), objects, total_bytes, keys.prefix(self.ns)],
-            ))
+            return int(
+                self._register(
+                    keys=[
+                        keys.dataset_key(self.ns, name),
+                        keys.datasets_key(self.ns),
+                        keys.events_key(self.ns),
+                        keys.invalidation_channel(self.ns),
+                    ],
+                    args=[
+                        name,
+                        source,
+                        fp,
+                        time.time(),
+                        objects,
+                        total_bytes,
+                        keys.prefix(self.ns),
+                    ],
+                )
+            )
 
     def generation(self, name: str) -> int:
         """The current generation, or 0 when the dataset is unknown."""
@@ -246,11 +278,16 @@ class RedisIndex:
         older ones, so nothing cached before the call is served after it.
         """
         with self.errors():
-            return int(self._invalidate(
-                keys=[keys.dataset_key(self.ns, name), keys.events_key(self.ns),
-                      keys.invalidation_channel(self.ns)],
-                args=[name, time.time(), reason, keys.prefix(self.ns)],
-            ))
+            return int(
+                self._invalidate(
+                    keys=[
+                        keys.dataset_key(self.ns, name),
+                        keys.events_key(self.ns),
+                        keys.invalidation_channel(self.ns),
+                    ],
+                    args=[name, time.time(), reason, keys.prefix(self.ns)],
+                )
+            )
 
     def datasets(self) -> list[str]:
         with self.errors():
@@ -263,16 +300,24 @@ class RedisIndex:
             return None
         try:
             return DatasetRecord(
-                name=name, source=raw.get("source", ""), fingerprint=raw.get("fingerprint", ""),
-                generation=int(raw["generation"]), created_at=float(raw.get("created_at", 0)),
-                invalidated_at=float(raw["invalidated_at"]) if raw.get("invalidated_at") else None,
-                objects=int(raw.get("objects", 0)), total_bytes=int(raw.get("total_bytes", 0)),
+                name=name,
+                source=raw.get("source", ""),
+                fingerprint=raw.get("fingerprint", ""),
+                generation=int(raw["generation"]),
+                created_at=float(raw.get("created_at", 0)),
+                invalidated_at=float(raw["invalidated_at"])
+                if raw.get("invalidated_at")
+                else None,
+                objects=int(raw.get("objects", 0)),
+                total_bytes=int(raw.get("total_bytes", 0)),
             )
         except ValueError:
             return None  # written by someone else in a shape we do not know
 
     # -- entries and owners ---------------------------------------------------
-    def entries(self, name: str, generation: int, paths: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
+    def entries(
+        self, name: str, generation: int, paths: Iterable[str] | None = None
+    ) -> dict[str, dict[str, Any]]:
         """Parsed entries; malformed JSON from a foreign writer is skipped."""
         key = keys.entries_key(self.ns, name, generation)
         with self.errors():
@@ -282,8 +327,14 @@ class RedisIndex:
                 plist = list(paths)
                 raw = {}
                 for i in range(0, len(plist), _CHUNK):
-                    chunk = plist[i:i + _CHUNK]
-                    raw.update({p: v for p, v in zip(chunk, self.client.hmget(key, chunk)) if v})
+                    chunk = plist[i : i + _CHUNK]
+                    raw.update(
+                        {
+                            p: v
+                            for p, v in zip(chunk, self.client.hmget(key, chunk), strict=False)
+                            if v
+                        }
+                    )
         out: dict[str, dict[str, Any]] = {}
         for path, value in raw.items():
             try:
@@ -294,63 +345,105 @@ class RedisIndex:
                 out[path] = entry
         return out
 
-    def invalidate_changed(self, name: str, generation: int, current: Mapping[str, str]) -> list[str]:
+    def invalidate_changed(
+        self, name: str, generation: int, current: Mapping[str, str]
+    ) -> list[str]:
         """Drop entries whose recorded ETag differs from ``current`` (path -> etag)."""
         cached = self.entries(name, generation, current.keys())
         changed = [p for p, e in cached.items() if str(e.get("etag")) != current[p]]
         if changed:
             pipe = self.client.pipeline(transaction=True)
             for i in range(0, len(changed), _CHUNK):
-                chunk = changed[i:i + _CHUNK]
+                chunk = changed[i : i + _CHUNK]
                 pipe.hdel(keys.entries_key(self.ns, name, generation), *chunk)
                 pipe.hdel(keys.owners_key(self.ns, name, generation), *chunk)
-            pipe.publish(keys.invalidation_channel(self.ns), json.dumps(
-                {"dataset": name, "generation": generation, "paths": changed}))
-            self._event(pipe, "changed", name, generation=generation, count=len(changed),
-                        example=changed[0])
+            pipe.publish(
+                keys.invalidation_channel(self.ns),
+                json.dumps(
+                    {"dataset": name, "generation": generation, "paths": changed}
+                ),
+            )
+            self._event(
+                pipe,
+                "changed",
+                name,
+                generation=generation,
+                count=len(changed),
+                example=changed[0],
+            )
             with self.errors():
                 pipe.execute()
         return changed
 
-    def claim_owners(self, name: str, generation: int, paths: list[str], me: str) -> list[str]:
+    def claim_owners(
+        self, name: str, generation: int, paths: list[str], me: str
+    ) -> list[str]:
         """Claim every unowned path for ``me``; return each path's owner."""
         with self.errors():
-            return list(self._claim(keys=[keys.owners_key(self.ns, name, generation)], args=[me, *paths]))
+            return list(
+                self._claim(
+                    keys=[keys.owners_key(self.ns, name, generation)], args=[me, *paths]
+                )
+            )
 
-    def take_over(self, name: str, generation: int, path: str, expected: str, me: str) -> str:
+    def take_over(
+        self, name: str, generation: int, path: str, expected: str, me: str
+    ) -> str:
         """Move ownership from a dead ``expected`` owner to ``me``; returns the owner."""
         with self.errors():
-            return str(self._cas(keys=[keys.owners_key(self.ns, name, generation)], args=[path, expected, me]))
+            return str(
+                self._cas(
+                    keys=[keys.owners_key(self.ns, name, generation)],
+                    args=[path, expected, me],
+                )
+            )
 
     def release(self, name: str, generation: int, paths: list[str], me: str) -> int:
         """Forget entries and claims ``me`` holds (eviction, failed fetch)."""
         if not paths:
             return 0
         with self.errors():
-            return int(self._release(
-                keys=[keys.owners_key(self.ns, name, generation), keys.entries_key(self.ns, name, generation)],
-                args=[me, *paths]))
+            return int(
+                self._release(
+                    keys=[
+                        keys.owners_key(self.ns, name, generation),
+                        keys.entries_key(self.ns, name, generation),
+                    ],
+                    args=[me, *paths],
+                )
+            )
 
-    def record_entries(self, name: str, generation: int, entries: Mapping[str, dict[str, Any]]) -> None:
+    def record_entries(
+        self, name: str, generation: int, entries: Mapping[str, dict[str, Any]]
+    ) -> None:
         if not entries:
             return
         with self.errors():
-            self.client.hset(keys.entries_key(self.ns, name, generation),
-                             mapping={p: json.dumps(e) for p, e in entries.items()})
+            self.client.hset(
+                keys.entries_key(self.ns, name, generation),
+                mapping={p: json.dumps(e) for p, e in entries.items()},
+            )
 
     def owners(self, name: str, generation: int) -> dict[str, str]:
         with self.errors():
             return dict(self.client.hgetall(keys.owners_key(self.ns, name, generation)))
 
     # -- stats, stores, events ------------------------------------------------
-    def flush_stats(self, per_dataset: Mapping[str, Mapping[str, int]], node_id: str,
-                    now: float | None = None) -> None:
+    def flush_stats(
+        self,
+        per_dataset: Mapping[str, Mapping[str, int]],
+        node_id: str,
+        now: float | None = None,
+    ) -> None:
         """Add counters for several datasets in one round trip."""
         bucket = int((now or time.time()) // SERIES_BUCKET_S * SERIES_BUCKET_S)
         pipe = self.client.pipeline(transaction=False)
         for ds, counts in per_dataset.items():
-            for key in (keys.stats_key(self.ns, ds), keys.stats_node_key(self.ns, ds, node_id),
-                        keys.stats_series_key(self.ns, ds, bucket)):
+            for key in (
+                keys.stats_key(self.ns, ds),
+                keys.stats_node_key(self.ns, ds, node_id),
+                keys.stats_series_key(self.ns, ds, bucket),
+            ):
                 for name, amount in counts.items():
                     if amount:
                         pipe.hincrby(key, name, amount)
@@ -360,26 +453,38 @@ class RedisIndex:
 
     def stats(self, name: str) -> HitStats:
         with self.errors():
-            return HitStats.from_hash(self.client.hgetall(keys.stats_key(self.ns, name)))
+            return HitStats.from_hash(
+                self.client.hgetall(keys.stats_key(self.ns, name))
+            )
 
     def node_stats(self, name: str, node_id: str) -> HitStats:
         with self.errors():
-            return HitStats.from_hash(self.client.hgetall(keys.stats_node_key(self.ns, name, node_id)))
+            return HitStats.from_hash(
+                self.client.hgetall(keys.stats_node_key(self.ns, name, node_id))
+            )
 
-    def series(self, name: str, window_s: int = 3600, now: float | None = None) -> list[tuple[int, HitStats]]:
+    def series(
+        self, name: str, window_s: int = 3600, now: float | None = None
+    ) -> list[tuple[int, HitStats]]:
         """Counters per time bucket over the last ``window_s`` seconds, oldest first."""
         end = int((now or time.time()) // SERIES_BUCKET_S * SERIES_BUCKET_S)
-        buckets = list(range(end - window_s + SERIES_BUCKET_S, end + 1, SERIES_BUCKET_S))
+        buckets = list(
+            range(end - window_s + SERIES_BUCKET_S, end + 1, SERIES_BUCKET_S)
+        )
         pipe = self.client.pipeline(transaction=False)
         for b in buckets:
             pipe.hgetall(keys.stats_series_key(self.ns, name, b))
         with self.errors():
             rows = pipe.execute()
-        return [(b, HitStats.from_hash(r)) for b, r in zip(buckets, rows) if r]
+        return [(b, HitStats.from_hash(r)) for b, r in zip(buckets, rows, strict=False) if r]
 
-    def record_rank(self, name: str, job: str, rank: int, report: Mapping[str, Any]) -> None:
+    def record_rank(
+        self, name: str, job: str, rank: int, report: Mapping[str, Any]
+    ) -> None:
         with self.errors():
-            self.client.hset(keys.ranks_key(self.ns, name), f"{job}/{rank}", json.dumps(report))
+            self.client.hset(
+                keys.ranks_key(self.ns, name), f"{job}/{rank}", json.dumps(report)
+            )
 
     def ranks(self, name: str) -> dict[str, dict[str, Any]]:
         with self.errors():

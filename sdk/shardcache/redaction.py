@@ -6,7 +6,9 @@ import re
 
 __all__ = ["redact_url"]
 
-_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^:@/]*):[^@/]*@")
+_USERINFO = re.compile(
+    r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^:@/]*):[^@/]*@"
+)
 
 
 def redact_url(url: str) -> str:

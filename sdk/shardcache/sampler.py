@@ -28,11 +28,21 @@ class ShardSampler(Sampler[int]):
         seed: shared by all ranks. drop_last: drop instead of pad.
     """
 
-    def __init__(self, keys: Sequence[str], rank: int, world_size: int, *,
-                 shuffle: bool | str = True, seed: int = 0, drop_last: bool = False):
+    def __init__(
+        self,
+        keys: Sequence[str],
+        rank: int,
+        world_size: int,
+        *,
+        shuffle: bool | str = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ):
         validate_world(rank, world_size)
         if shuffle not in SHUFFLE_MODES:
-            raise ConfigError(f"shuffle must be one of {SHUFFLE_MODES}, got {shuffle!r}.")
+            raise ConfigError(
+                f"shuffle must be one of {SHUFFLE_MODES}, got {shuffle!r}."
+            )
         self.n = len(keys)
         self.rank, self.world_size = rank, world_size
         self.mode = "global" if shuffle == "global" else "shard"
@@ -47,7 +57,9 @@ class ShardSampler(Sampler[int]):
             self.num_samples = min(sizes) if drop_last else max(sizes)
         else:
             self.shard = np.arange(self.n)
-            self.num_samples = self.n // world_size if drop_last else -(-self.n // world_size)
+            self.num_samples = (
+                self.n // world_size if drop_last else -(-self.n // world_size)
+            )
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
@@ -58,8 +70,15 @@ class ShardSampler(Sampler[int]):
         """The full order of ``epoch`` (default: the current one)."""
         e = self.epoch if epoch is None else epoch
         if self.mode == "global":
-            return global_order(self.n, self.world_size, self.rank, self.seed, e,
-                                self.shuffle, self.drop_last)
+            return global_order(
+                self.n,
+                self.world_size,
+                self.rank,
+                self.seed,
+                e,
+                self.shuffle,
+                self.drop_last,
+            )
         return epoch_order(self.shard, self.num_samples, self.seed, e, self.shuffle)
 
     def resume(self, epoch: int, consumed: int) -> None:
@@ -67,12 +86,17 @@ class ShardSampler(Sampler[int]):
         self.epoch, self._skip = int(epoch), int(consumed)
 
     def __iter__(self) -> Iterator[int]:
-        order, self._skip = self.order()[self._skip:], 0
+        order, self._skip = self.order()[self._skip :], 0
         return iter(order.tolist())
 
     def __len__(self) -> int:
         return self.num_samples
 
     def state(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "seed": self.seed, "rank": self.rank,
-                "world_size": self.world_size, "mode": self.mode}
+        return {
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "mode": self.mode,
+        }

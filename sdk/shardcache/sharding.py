@@ -37,9 +37,17 @@ def validate_world(rank: int, world_size: int) -> None:
 def _key_hashes(keys: Sequence[str], seed: int) -> np.ndarray:
     salt = seed.to_bytes(8, "little", signed=True)
     return np.fromiter(
-        (int.from_bytes(hashlib.blake2b(k.encode(), digest_size=8, salt=salt[:8].ljust(16, b"\0")).digest(), "little")
-         for k in keys),
-        dtype=np.uint64, count=len(keys),
+        (
+            int.from_bytes(
+                hashlib.blake2b(
+                    k.encode(), digest_size=8, salt=salt[:8].ljust(16, b"\0")
+                ).digest(),
+                "little",
+            )
+            for k in keys
+        ),
+        dtype=np.uint64,
+        count=len(keys),
     )
 
 
@@ -51,7 +59,9 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def assign_shards(keys: Sequence[str], world_size: int, seed: int = 0) -> list[np.ndarray]:
+def assign_shards(
+    keys: Sequence[str], world_size: int, seed: int = 0
+) -> list[np.ndarray]:
     """Split key indices into ``world_size`` disjoint, covering shards.
 
     Each shard is sorted ascending; sizes differ by at most one.
@@ -67,7 +77,9 @@ def assign_shards(keys: Sequence[str], world_size: int, seed: int = 0) -> list[n
     if world_size == 1:
         return [np.arange(n, dtype=np.int64)]
     key_h = _key_hashes(keys, seed)
-    rank_salt = _mix(np.arange(1, world_size + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    rank_salt = _mix(
+        np.arange(1, world_size + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    )
     scores = _mix(key_h[:, None] ^ rank_salt[None, :])
     preference = np.argsort(-scores.astype(np.float64), axis=1, kind="stable")
     # Exact balance: the first n % W ranks take one extra key.
@@ -86,7 +98,9 @@ def assign_shards(keys: Sequence[str], world_size: int, seed: int = 0) -> list[n
     return [np.flatnonzero(owner == r) for r in range(world_size)]
 
 
-def epoch_order(shard: np.ndarray, num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+def epoch_order(
+    shard: np.ndarray, num_samples: int, seed: int, epoch: int, shuffle: bool
+) -> np.ndarray:
     """This rank's sample order for one epoch, exactly ``num_samples`` long.
 
     The order is reshuffled from ``(seed, epoch)``; a shard shorter than
@@ -101,15 +115,26 @@ def epoch_order(shard: np.ndarray, num_samples: int, seed: int, epoch: int, shuf
     return np.tile(order, reps)[:num_samples]
 
 
-def global_order(n: int, world_size: int, rank: int, seed: int, epoch: int,
-                 shuffle: bool, drop_last: bool) -> np.ndarray:
+def global_order(
+    n: int,
+    world_size: int,
+    rank: int,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    drop_last: bool,
+) -> np.ndarray:
     """DistributedSampler's assignment: one global permutation, strided by rank."""
-    order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+    order = (
+        np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+    )
     if drop_last:
         total = n // world_size * world_size
         order = order[:total]
     else:
         total = -(-n // world_size) * world_size
         if total > n:
-            order = np.concatenate([order, np.tile(order, -(-(total - n) // n))[: total - n]])
+            order = np.concatenate(
+                [order, np.tile(order, -(-(total - n) // n))[: total - n]]
+            )
     return order[rank:total:world_size]

@@ -21,10 +21,26 @@ from shardcache.errors import (
     SourceNotFound,
 )
 
-__all__ = ["SUPPORTED_PROTOCOLS", "Manifest", "SourceObject", "list_source", "open_remote"]
+__all__ = [
+    "SUPPORTED_PROTOCOLS",
+    "Manifest",
+    "SourceObject",
+    "list_source",
+    "open_remote",
+]
 
 # Schemes whose filesystems we test; others are refused rather than half-working.
-SUPPORTED_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "file", "local", "memory")
+SUPPORTED_PROTOCOLS = (
+    "s3",
+    "s3a",
+    "gs",
+    "gcs",
+    "az",
+    "abfs",
+    "file",
+    "local",
+    "memory",
+)
 _GLOB_CHARS = "*?["
 
 
@@ -56,14 +72,18 @@ class Manifest:
         return h.hexdigest()[:16]
 
 
-def open_remote(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+def open_remote(
+    url: str, storage_options: dict[str, Any] | None = None
+) -> tuple[Any, str]:
     """Resolve ``url`` to ``(filesystem, path)`` with one ``fsspec.url_to_fs`` call.
 
     Raises:
         ConfigError: unsupported scheme or bad storage options.
     """
     if not isinstance(url, str) or not url:
-        raise ConfigError(f"urls must be a non-empty string or list of strings, got {url!r}.")
+        raise ConfigError(
+            f"urls must be a non-empty string or list of strings, got {url!r}."
+        )
     protocol = url.split("://", 1)[0] if "://" in url else "file"
     if protocol not in SUPPORTED_PROTOCOLS:
         raise ConfigError(
@@ -71,7 +91,9 @@ def open_remote(url: str, storage_options: dict[str, Any] | None = None) -> tupl
             f"{', '.join(SUPPORTED_PROTOCOLS)}."
         )
     if ".." in url.split("://", 1)[-1].split("/"):
-        raise ConfigError(f"path traversal ('..') is not allowed in source URL {url!r}.")
+        raise ConfigError(
+            f"path traversal ('..') is not allowed in source URL {url!r}."
+        )
     try:
         return fsspec.url_to_fs(url, **(storage_options or {}))
     except (TypeError, ValueError, ImportError) as exc:
@@ -134,14 +156,18 @@ def list_source(
     """
     url_list = [urls] if isinstance(urls, str) else list(urls)
     if not url_list:
-        raise ConfigError("urls is an empty list; pass a prefix, a glob or object URLs.")
+        raise ConfigError(
+            "urls is an empty list; pass a prefix, a glob or object URLs."
+        )
     fs, _ = open_remote(url_list[0], storage_options)
     protocol = url_list[0].split("://", 1)[0] if "://" in url_list[0] else "file"
     objects: dict[str, SourceObject] = {}
     if isinstance(urls, str):
         _, path = open_remote(urls, storage_options)
         for p, info in _list_one(fs, path, urls).items():
-            objects[p] = SourceObject(_to_url(protocol, p), int(info["size"]), _version_of(fs, info))
+            objects[p] = SourceObject(
+                _to_url(protocol, p), int(info["size"]), _version_of(fs, info)
+            )
     else:
         wanted: dict[str, list[str]] = {}
         for url in url_list:
@@ -157,7 +183,9 @@ def list_source(
                 )
             for p in paths:
                 info = listed[p]
-                objects[p] = SourceObject(_to_url(protocol, p), int(info["size"]), _version_of(fs, info))
+                objects[p] = SourceObject(
+                    _to_url(protocol, p), int(info["size"]), _version_of(fs, info)
+                )
     if not objects:
         raise EmptyDatasetError(
             f"source {url_list[0]!r} lists no objects. Check the prefix or glob; "

@@ -35,6 +35,8 @@ class WaitRecorder:
         if not self._waits_s:
             return {"wait_p50_ms": 0.0, "wait_p99_ms": 0.0, "wait_mean_ms": 0.0}
         ms = np.asarray(self._waits_s) * 1000.0
-        return {"wait_p50_ms": float(np.percentile(ms, 50)),
-                "wait_p99_ms": float(np.percentile(ms, 99)),
-                "wait_mean_ms": float(ms.mean())}
+        return {
+            "wait_p50_ms": float(np.percentile(ms, 50)),
+            "wait_p99_ms": float(np.percentile(ms, 99)),
+            "wait_mean_ms": float(ms.mean()),
+        }

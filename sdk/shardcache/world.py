@@ -35,5 +35,7 @@ class World:
             world_size = int(env.get("WORLD_SIZE", 1))
         local_rank = int(env.get("LOCAL_RANK", 0))
         info = get_worker_info()
-        worker_id, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        worker_id, num_workers = (
+            (info.id, info.num_workers) if info is not None else (0, 1)
+        )
         return cls(rank, world_size, local_rank, worker_id, num_workers)

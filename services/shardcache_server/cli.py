@@ -13,17 +13,30 @@ from rich.table import Table
 
 from shardcache.errors import ShardCacheError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="shardcache: pull each remote object once, serve every DDP rank from its node.")
-local_app = typer.Typer(help="The embedded local Redis and Ray that the SDK starts by default.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="shardcache: pull each remote object once, serve every DDP rank from its node.",
+)
+local_app = typer.Typer(
+    help="The embedded local Redis and Ray that the SDK starts by default."
+)
 app.add_typer(local_app, name="local")
 console = Console()
 err_console = Console(stderr=True)
 
-RedisOpt = typer.Option(None, "--redis-url", envvar="SHARDCACHE_REDIS_URL",
-                        help="Redis index URL; default: the embedded local Redis.")
-NamespaceOpt = typer.Option("default", "--namespace", envvar="SHARDCACHE_NAMESPACE",
-                            help="Deployment namespace (key prefix).")
+RedisOpt = typer.Option(
+    None,
+    "--redis-url",
+    envvar="SHARDCACHE_REDIS_URL",
+    help="Redis index URL; default: the embedded local Redis.",
+)
+NamespaceOpt = typer.Option(
+    "default",
+    "--namespace",
+    envvar="SHARDCACHE_NAMESPACE",
+    help="Deployment namespace (key prefix).",
+)
 
 
 @contextlib.contextmanager
@@ -56,51 +69,91 @@ def _storage_options(endpoint_url: str | None, options: list[str]) -> dict[str, 
 
 
 @app.command()
-def warm(url: str = typer.Argument(..., help="fsspec prefix, glob or object URL"),
-         preprocess: str = typer.Option("raw", help="named preprocess (raw, decode_image, decode_image_chw)"),
-         name: str = typer.Option(None, help="dataset name; default derived from URL"),
-         endpoint_url: str = typer.Option(None, help="S3 endpoint (e.g. a local emulator)"),
-         storage_option: list[str] = typer.Option([], "--storage-option", "-o", help="KEY=VALUE for fsspec"),
-         batch: int = typer.Option(64, min=1, help="objects per store request"),
-         redis_url: str = RedisOpt, namespace: str = NamespaceOpt,
-         ray_address: str = typer.Option(None, envvar="RAY_ADDRESS")) -> None:
+def warm(
+    url: str = typer.Argument(..., help="fsspec prefix, glob or object URL"),
+    preprocess: str = typer.Option(
+        "raw", help="named preprocess (raw, decode_image, decode_image_chw)"
+    ),
+    name: str = typer.Option(None, help="dataset name; default derived from URL"),
+    endpoint_url: str = typer.Option(None, help="S3 endpoint (e.g. a local emulator)"),
+    storage_option: list[str] = typer.Option(
+        [], "--storage-option", "-o", help="KEY=VALUE for fsspec"
+    ),
+    batch: int = typer.Option(64, min=1, help="objects per store request"),
+    redis_url: str = RedisOpt,
+    namespace: str = NamespaceOpt,
+    ray_address: str = typer.Option(None, envvar="RAY_ADDRESS"),
+) -> None:
     """Pre-fill the cache: every object fetched once, spread over the nodes."""
     from shardcache_server.warm import warm_dataset
 
     with _friendly_errors():
-        summary = warm_dataset(url, preprocess=preprocess, name=name,
-                               storage_options=_storage_options(endpoint_url, storage_option),
-                               redis_url=redis_url, namespace=namespace, ray_address=ray_address,
-                               batch=batch, console=console)
-    console.print(f"[green]warmed[/] {summary['dataset']}: {summary['objects']} objects, "
-                  f"{summary['fetched']} fetched, {summary['already_cached']} already cached, "
-                  f"{summary['bytes'] / 2**20:.1f} MiB in {summary['seconds']:.1f}s")
+        summary = warm_dataset(
+            url,
+            preprocess=preprocess,
+            name=name,
+            storage_options=_storage_options(endpoint_url, storage_option),
+            redis_url=redis_url,
+            namespace=namespace,
+            ray_address=ray_address,
+            batch=batch,
+            console=console,
+        )
+    console.print(
+        f"[green]warmed[/] {summary['dataset']}: {summary['objects']} objects, "
+        f"{summary['fetched']} fetched, {summary['already_cached']} already cached, "
+        f"{summary['bytes'] / 2**20:.1f} MiB in {summary['seconds']:.1f}s"
+    )
 
 
 @app.command()
-def stats(name: str = typer.Argument(None, help="dataset; default: all"),
-          redis_url: str = RedisOpt, namespace: str = NamespaceOpt) -> None:
+def stats(
+    name: str = typer.Argument(None, help="dataset; default: all"),
+    redis_url: str = RedisOpt,
+    namespace: str = NamespaceOpt,
+) -> None:
     """Hit rate, misses and remote reads per dataset."""
     with _friendly_errors():
         index = _index(redis_url, namespace)
         names = [name] if name else index.datasets()
-        table = Table("dataset", "generation", "hits", "misses", "hit rate", "remote reads",
-                      "MiB read", "errors", "evictions")
+        table = Table(
+            "dataset",
+            "generation",
+            "hits",
+            "misses",
+            "hit rate",
+            "remote reads",
+            "MiB read",
+            "errors",
+            "evictions",
+        )
         for ds in names:
             record, s = index.dataset(ds), index.stats(ds)
-            table.add_row(ds, str(record.generation if record else "-"), str(s.hits), str(s.misses),
-                          f"{s.hit_rate:.1%}", str(s.remote_reads), f"{s.bytes_read / 2**20:.1f}",
-                          str(s.errors), str(s.evictions))
+            table.add_row(
+                ds,
+                str(record.generation if record else "-"),
+                str(s.hits),
+                str(s.misses),
+                f"{s.hit_rate:.1%}",
+                str(s.remote_reads),
+                f"{s.bytes_read / 2**20:.1f}",
+                str(s.errors),
+                str(s.evictions),
+            )
     console.print(table)
 
 
 @app.command()
-def invalidate(name: str, redis_url: str = RedisOpt, namespace: str = NamespaceOpt) -> None:
+def invalidate(
+    name: str, redis_url: str = RedisOpt, namespace: str = NamespaceOpt
+) -> None:
     """Start a new generation: every store drops the dataset, readers re-fetch."""
     with _friendly_errors():
         generation = _index(redis_url, namespace).invalidate(name, "cli invalidate")
     if generation == 0:
-        err_console.print(f"[red]error:[/] no dataset named {name!r}; see `shardcache ls`.")
+        err_console.print(
+            f"[red]error:[/] no dataset named {name!r}; see `shardcache ls`."
+        )
         raise typer.Exit(2)
     console.print(f"{name}: now generation {generation}")
 
@@ -110,54 +163,90 @@ def list_datasets(redis_url: str = RedisOpt, namespace: str = NamespaceOpt) -> N
     """Datasets, generations and cached bytes per node."""
     with _friendly_errors():
         index = _index(redis_url, namespace)
-        table = Table("dataset", "generation", "objects", "source MiB", "cached MiB per node")
+        table = Table(
+            "dataset", "generation", "objects", "source MiB", "cached MiB per node"
+        )
         stores = index.stores()
         for ds in index.datasets():
             record = index.dataset(ds)
             if record is None:
                 continue
-            per_node = {n[:8]: info.get("bytes_by_dataset", {}).get(ds, 0) for n, info in stores.items()}
-            cached = ", ".join(f"{n}: {b / 2**20:.1f}" for n, b in per_node.items() if b) or "-"
-            table.add_row(ds, str(record.generation), str(record.objects),
-                          f"{record.total_bytes / 2**20:.1f}", cached)
+            per_node = {
+                n[:8]: info.get("bytes_by_dataset", {}).get(ds, 0)
+                for n, info in stores.items()
+            }
+            cached = (
+                ", ".join(f"{n}: {b / 2**20:.1f}" for n, b in per_node.items() if b)
+                or "-"
+            )
+            table.add_row(
+                ds,
+                str(record.generation),
+                str(record.objects),
+                f"{record.total_bytes / 2**20:.1f}",
+                cached,
+            )
     console.print(table)
 
 
 @app.command()
-def demo(source: str = typer.Option(None, help="real data URL instead of generated images"),
-         images: int = typer.Option(2000, min=16, help="generated images"),
-         epochs: int = typer.Option(3, min=1), ranks: int = typer.Option(2, min=1),
-         batch_size: int = typer.Option(64, min=1)) -> None:
+def demo(
+    source: str = typer.Option(None, help="real data URL instead of generated images"),
+    images: int = typer.Option(2000, min=16, help="generated images"),
+    epochs: int = typer.Option(3, min=1),
+    ranks: int = typer.Option(2, min=1),
+    batch_size: int = typer.Option(64, min=1),
+) -> None:
     """2-rank DDP training through DistributedCachedDataset on embedded defaults."""
     from shardcache_server.demo import run_demo
 
     with _friendly_errors():
-        ok = run_demo(source=source, images=images, epochs=epochs, ranks=ranks,
-                      batch_size=batch_size, console=console)
+        ok = run_demo(
+            source=source,
+            images=images,
+            epochs=epochs,
+            ranks=ranks,
+            batch_size=batch_size,
+            console=console,
+        )
     raise typer.Exit(0 if ok else 1)
 
 
 @app.command()
-def dashboard(redis_url: str = RedisOpt, namespace: str = NamespaceOpt,
-              host: str = typer.Option("127.0.0.1", help="bind address; 127.0.0.1 by default"),
-              port: int = typer.Option(8265 + 100, min=1, max=65535),
-              token: str = typer.Option(None, envvar="SHARDCACHE_DASHBOARD_TOKEN",
-                                        help="require this bearer token"),
-              allow_no_token: bool = typer.Option(
-                  False, envvar="SHARDCACHE_DASHBOARD_ALLOW_NO_TOKEN",
-                  help="serve beyond loopback without a token (behind a NetworkPolicy)")) -> None:
+def dashboard(
+    redis_url: str = RedisOpt,
+    namespace: str = NamespaceOpt,
+    host: str = typer.Option("127.0.0.1", help="bind address; 127.0.0.1 by default"),
+    port: int = typer.Option(8265 + 100, min=1, max=65535),
+    token: str = typer.Option(
+        None, envvar="SHARDCACHE_DASHBOARD_TOKEN", help="require this bearer token"
+    ),
+    allow_no_token: bool = typer.Option(
+        False,
+        envvar="SHARDCACHE_DASHBOARD_ALLOW_NO_TOKEN",
+        help="serve beyond loopback without a token (behind a NetworkPolicy)",
+    ),
+) -> None:
     """Serve the hit-rate dashboard and /metrics (reads Redis only)."""
     from shardcache_server.dashboard import serve
 
     with _friendly_errors():
-        serve(redis_url=redis_url, namespace=namespace, host=host, port=port, token=token,
-              allow_no_token=allow_no_token)
+        serve(
+            redis_url=redis_url,
+            namespace=namespace,
+            host=host,
+            port=port,
+            token=token,
+            allow_no_token=allow_no_token,
+        )
 
 
 @app.command()
-def stores(ray_address: str = typer.Option(None, envvar="RAY_ADDRESS"),
-           watch: bool = typer.Option(False, help="keep starting stores as nodes join"),
-           interval_s: float = typer.Option(15.0, min=1.0)) -> None:
+def stores(
+    ray_address: str = typer.Option(None, envvar="RAY_ADDRESS"),
+    watch: bool = typer.Option(False, help="keep starting stores as nodes join"),
+    interval_s: float = typer.Option(15.0, min=1.0),
+) -> None:
     """Start one store actor per Ray node (the chart runs this with --watch)."""
     import time
 
@@ -170,22 +259,32 @@ def stores(ray_address: str = typer.Option(None, envvar="RAY_ADDRESS"),
         attach_ray(ray_address)
         while True:
             handles = ensure_stores(settings)
-            console.print(f"{len(handles)} store(s) up in namespace {settings.namespace}")
+            console.print(
+                f"{len(handles)} store(s) up in namespace {settings.namespace}"
+            )
             if not watch:
                 return
             time.sleep(interval_s)
 
 
 @app.command()
-def selftest(ray_address: str = typer.Option(None, envvar="RAY_ADDRESS"),
-             dashboard_url: str = typer.Option(None, help="also GET <url>/healthz"),
-             redis_url: str = RedisOpt, namespace: str = NamespaceOpt) -> None:
+def selftest(
+    ray_address: str = typer.Option(None, envvar="RAY_ADDRESS"),
+    dashboard_url: str = typer.Option(None, help="also GET <url>/healthz"),
+    redis_url: str = RedisOpt,
+    namespace: str = NamespaceOpt,
+) -> None:
     """Installed-cache check (the chart's `helm test`): Redis, dashboard, warm and hit."""
     from shardcache_server.selftest import run_selftest
 
     with _friendly_errors():
-        run_selftest(ray_address=ray_address, dashboard_url=dashboard_url, redis_url=redis_url,
-                     namespace=namespace, console=console)
+        run_selftest(
+            ray_address=ray_address,
+            dashboard_url=dashboard_url,
+            redis_url=redis_url,
+            namespace=namespace,
+            console=console,
+        )
 
 
 @local_app.command("stop")
@@ -194,7 +293,9 @@ def local_stop() -> None:
     from shardcache.embedded import stop_local
 
     stopped = stop_local()
-    console.print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+    console.print(
+        "stopped: " + (", ".join(stopped) if stopped else "nothing was running")
+    )
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from shardcache.errors import ShardUnavailable
-
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.shard import ray_namespace, start_shard, store_name
 
@@ -31,7 +30,10 @@ def ensure_stores(settings: ServiceSettings, *, wait: bool = True) -> dict[str, 
     handles = {node: start_shard(settings, node) for node in alive_nodes()}
     if wait:
         try:
-            ray.get([h.ping.remote() for h in handles.values()], timeout=STORE_START_TIMEOUT_S)
+            ray.get(
+                [h.ping.remote() for h in handles.values()],
+                timeout=STORE_START_TIMEOUT_S,
+            )
         except ray.exceptions.RayError as exc:
             raise ShardUnavailable(
                 f"cache stores did not start within {STORE_START_TIMEOUT_S:.0f}s: "

@@ -41,14 +41,25 @@ def dataset_overview(index: RedisIndex, name: str) -> dict[str, Any] | None:
     entries = index.entries(name, record.generation)
     cached_bytes = sum(int(e.get("size", 0)) for e in entries.values())
     served = stats.hits + stats.misses
-    return {"name": name, "source": record.source, "generation": record.generation,
-            "created_at": record.created_at, "invalidated_at": record.invalidated_at,
-            "objects_total": record.objects, "objects_cached": len(entries),
-            "bytes_total": record.total_bytes, "bytes_cached": cached_bytes,
-            "hits": stats.hits, "misses": stats.misses, "hit_rate": stats.hit_rate,
-            "reads_served": served, "remote_reads": stats.remote_reads,
-            "gets_saved": max(served - stats.remote_reads, 0), "errors": stats.errors,
-            "evictions": stats.evictions}
+    return {
+        "name": name,
+        "source": record.source,
+        "generation": record.generation,
+        "created_at": record.created_at,
+        "invalidated_at": record.invalidated_at,
+        "objects_total": record.objects,
+        "objects_cached": len(entries),
+        "bytes_total": record.total_bytes,
+        "bytes_cached": cached_bytes,
+        "hits": stats.hits,
+        "misses": stats.misses,
+        "hit_rate": stats.hit_rate,
+        "reads_served": served,
+        "remote_reads": stats.remote_reads,
+        "gets_saved": max(served - stats.remote_reads, 0),
+        "errors": stats.errors,
+        "evictions": stats.evictions,
+    }
 
 
 def _nodes(index: RedisIndex) -> list[dict[str, Any]]:
@@ -59,12 +70,23 @@ def _nodes(index: RedisIndex) -> list[dict[str, Any]]:
         hits = misses = evictions = 0
         for ds in datasets:
             s = index.node_stats(ds, node)
-            hits, misses, evictions = hits + s.hits, misses + s.misses, evictions + s.evictions
-        out.append({"node": node, "used_bytes": info.get("used_bytes", 0),
-                    "budget_bytes": info.get("budget_bytes", 0), "entries": info.get("entries", 0),
-                    "eviction": info.get("eviction"), "evictions": evictions,
-                    "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-                    "age_s": now - float(info.get("ts", 0) or 0)})
+            hits, misses, evictions = (
+                hits + s.hits,
+                misses + s.misses,
+                evictions + s.evictions,
+            )
+        out.append(
+            {
+                "node": node,
+                "used_bytes": info.get("used_bytes", 0),
+                "budget_bytes": info.get("budget_bytes", 0),
+                "entries": info.get("entries", 0),
+                "eviction": info.get("eviction"),
+                "evictions": evictions,
+                "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+                "age_s": now - float(info.get("ts", 0) or 0),
+            }
+        )
     return out
 
 
@@ -73,13 +95,22 @@ def _ranks(index: RedisIndex, name: str) -> list[dict[str, Any]]:
     for key, report in sorted(index.ranks(name).items()):
         job, _, rank = key.rpartition("/")
         total = int(report.get("hits", 0)) + int(report.get("misses", 0))
-        rows.append({"job": job, "rank": rank, "generation": report.get("generation"),
-                     "wait_p50_ms": report.get("wait_p50_ms", 0.0),
-                     "wait_p99_ms": report.get("wait_p99_ms", 0.0),
-                     "hit_rate": int(report.get("hits", 0)) / total if total else 0.0,
-                     "remote_reads": report.get("remote_reads", 0), "epoch": report.get("epoch")})
+        rows.append(
+            {
+                "job": job,
+                "rank": rank,
+                "generation": report.get("generation"),
+                "wait_p50_ms": report.get("wait_p50_ms", 0.0),
+                "wait_p99_ms": report.get("wait_p99_ms", 0.0),
+                "hit_rate": int(report.get("hits", 0)) / total if total else 0.0,
+                "remote_reads": report.get("remote_reads", 0),
+                "epoch": report.get("epoch"),
+            }
+        )
     if rows:
-        median_p99 = sorted(r["wait_p99_ms"] for r in rows)[(len(rows) - 1) // 2]  # median_low
+        median_p99 = sorted(r["wait_p99_ms"] for r in rows)[
+            (len(rows) - 1) // 2
+        ]  # median_low
         for r in rows:  # a straggler waits much longer than the typical rank
             r["straggler"] = bool(median_p99 and r["wait_p99_ms"] > 2 * median_p99)
     return rows
@@ -93,15 +124,38 @@ class _RedisCollector:
 
     def collect(self) -> Iterator[Any]:
         index = self._index_factory()
-        counters = {name: CounterMetricFamily(f"shardcache_{name}", f"shardcache {name.replace('_', ' ')}",
-                                              labels=["dataset"])
-                    for name in ("hits", "misses", "remote_reads", "bytes_read", "evictions", "errors")}
-        hit_rate = GaugeMetricFamily("shardcache_hit_rate", "hits / (hits + misses)", labels=["dataset"])
-        generation = GaugeMetricFamily("shardcache_generation", "current generation", labels=["dataset"])
-        used = GaugeMetricFamily("shardcache_store_used_bytes", "bytes cached per node", labels=["node"])
-        budget = GaugeMetricFamily("shardcache_store_budget_bytes", "budget per node", labels=["node"])
-        wait = GaugeMetricFamily("shardcache_rank_wait_p99_seconds", "p99 batch wait",
-                                 labels=["dataset", "job", "rank"])
+        counters = {
+            name: CounterMetricFamily(
+                f"shardcache_{name}",
+                f"shardcache {name.replace('_', ' ')}",
+                labels=["dataset"],
+            )
+            for name in (
+                "hits",
+                "misses",
+                "remote_reads",
+                "bytes_read",
+                "evictions",
+                "errors",
+            )
+        }
+        hit_rate = GaugeMetricFamily(
+            "shardcache_hit_rate", "hits / (hits + misses)", labels=["dataset"]
+        )
+        generation = GaugeMetricFamily(
+            "shardcache_generation", "current generation", labels=["dataset"]
+        )
+        used = GaugeMetricFamily(
+            "shardcache_store_used_bytes", "bytes cached per node", labels=["node"]
+        )
+        budget = GaugeMetricFamily(
+            "shardcache_store_budget_bytes", "budget per node", labels=["node"]
+        )
+        wait = GaugeMetricFamily(
+            "shardcache_rank_wait_p99_seconds",
+            "p99 batch wait",
+            labels=["dataset", "job", "rank"],
+        )
         for ds in index.datasets():
             s = index.stats(ds)
             for name, family in counters.items():
@@ -110,7 +164,9 @@ class _RedisCollector:
             record = index.dataset(ds)
             generation.add_metric([ds], record.generation if record else 0)
             for r in _ranks(index, ds):
-                wait.add_metric([ds, r["job"], str(r["rank"])], float(r["wait_p99_ms"]) / 1000)
+                wait.add_metric(
+                    [ds, r["job"], str(r["rank"])], float(r["wait_p99_ms"]) / 1000
+                )
         for n in _nodes(index):
             used.add_metric([n["node"]], n["used_bytes"])
             budget.add_metric([n["node"]], n["budget_bytes"])
@@ -118,8 +174,9 @@ class _RedisCollector:
         yield from (hit_rate, generation, used, budget, wait)
 
 
-def create_app(redis_url: str, namespace: str = keys.DEFAULT_NAMESPACE,
-               token: str | None = None) -> Starlette:
+def create_app(
+    redis_url: str, namespace: str = keys.DEFAULT_NAMESPACE, token: str | None = None
+) -> Starlette:
     """Build the ASGI app. Nothing connects until the first request.
 
     Args:
@@ -146,12 +203,16 @@ def create_app(redis_url: str, namespace: str = keys.DEFAULT_NAMESPACE,
     def guarded(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
         async def run(request: Request) -> Response:
             if not authorised(request):
-                return PlainTextResponse("missing or wrong bearer token", status_code=401,
-                                         headers={"WWW-Authenticate": "Bearer"})
+                return PlainTextResponse(
+                    "missing or wrong bearer token",
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
             try:
                 return handler(request)
             except IndexUnavailable as exc:
                 return JSONResponse({"error": str(exc)}, status_code=503)
+
         return run
 
     def window(request: Request) -> int:
@@ -166,27 +227,53 @@ def create_app(redis_url: str, namespace: str = keys.DEFAULT_NAMESPACE,
 
     def overview(request: Request) -> Response:
         idx = index()
-        datasets = [o for o in (dataset_overview(idx, ds) for ds in idx.datasets()) if o]
-        return JSONResponse({"namespace": namespace, "datasets": datasets, "nodes": _nodes(idx),
-                             "ts": time.time()})
+        datasets = [
+            o for o in (dataset_overview(idx, ds) for ds in idx.datasets()) if o
+        ]
+        return JSONResponse(
+            {
+                "namespace": namespace,
+                "datasets": datasets,
+                "nodes": _nodes(idx),
+                "ts": time.time(),
+            }
+        )
 
     def series(request: Request) -> Response:
         name = request.path_params["name"]
         rows = index().series(name, window(request))
-        return JSONResponse({"dataset": name, "points": [
-            {"t": t, "hits": s.hits, "misses": s.misses, "hit_rate": s.hit_rate,
-             "remote_reads": s.remote_reads} for t, s in rows]})
+        return JSONResponse(
+            {
+                "dataset": name,
+                "points": [
+                    {
+                        "t": t,
+                        "hits": s.hits,
+                        "misses": s.misses,
+                        "hit_rate": s.hit_rate,
+                        "remote_reads": s.remote_reads,
+                    }
+                    for t, s in rows
+                ],
+            }
+        )
 
     def chart(request: Request) -> Response:
         name = request.path_params["name"]
         rows = index().series(name, window(request))
-        svg = line_chart_svg([(t, s.hit_rate) for t, s in rows if s.hits + s.misses],
-                             title=f"{name}: hit rate, last {window(request) // 60} min")
+        svg = line_chart_svg(
+            [(t, s.hit_rate) for t, s in rows if s.hits + s.misses],
+            title=f"{name}: hit rate, last {window(request) // 60} min",
+        )
         return Response(svg, media_type="image/svg+xml")
 
     def ranks(request: Request) -> Response:
-        return JSONResponse({"dataset": request.path_params["name"],
-                             "ranks": _ranks(index(), request.path_params["name"])})
+        return JSONResponse(
+            {
+                "dataset": request.path_params["name"],
+                "ranks": _ranks(index(), request.path_params["name"]),
+            }
+        )
 
     def events(request: Request) -> Response:
         return JSONResponse({"events": index().events(100)})
@@ -195,7 +282,9 @@ def create_app(redis_url: str, namespace: str = keys.DEFAULT_NAMESPACE,
     registry.register(_RedisCollector(index))
 
     def metrics(request: Request) -> Response:
-        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
+        return Response(
+            generate_latest(registry), media_type="text/plain; version=0.0.4"
+        )
 
     async def healthz(request: Request) -> Response:
         try:
@@ -205,16 +294,29 @@ def create_app(redis_url: str, namespace: str = keys.DEFAULT_NAMESPACE,
             return PlainTextResponse("redis unreachable", status_code=503)
         return PlainTextResponse("ok")
 
-    return Starlette(routes=[
-        Route("/", guarded(page)), Route("/api/overview", guarded(overview)),
-        Route("/api/series/{name}", guarded(series)), Route("/api/chart/{name}.svg", guarded(chart)),
-        Route("/api/ranks/{name}", guarded(ranks)), Route("/api/events", guarded(events)),
-        Route("/metrics", guarded(metrics)), Route("/healthz", healthz),
-    ])
+    return Starlette(
+        routes=[
+            Route("/", guarded(page)),
+            Route("/api/overview", guarded(overview)),
+            Route("/api/series/{name}", guarded(series)),
+            Route("/api/chart/{name}.svg", guarded(chart)),
+            Route("/api/ranks/{name}", guarded(ranks)),
+            Route("/api/events", guarded(events)),
+            Route("/metrics", guarded(metrics)),
+            Route("/healthz", healthz),
+        ]
+    )
 
 
-def serve(*, redis_url: str | None, namespace: str, host: str, port: int, token: str | None,
-          allow_no_token: bool = False) -> None:
+def serve(
+    *,
+    redis_url: str | None,
+    namespace: str,
+    host: str,
+    port: int,
+    token: str | None,
+    allow_no_token: bool = False,
+) -> None:
     """Run the dashboard with uvicorn (blocking).
 
     Raises:
@@ -224,8 +326,14 @@ def serve(*, redis_url: str | None, namespace: str, host: str, port: int, token:
 
     from shardcache.embedded import local_redis_url
 
-    if host not in ("127.0.0.1", "localhost", "::1") and not token and not allow_no_token:
-        raise ConfigError(f"refusing to serve the dashboard on {host} without a token; "
-                          "set SHARDCACHE_DASHBOARD_TOKEN or bind to 127.0.0.1.")
+    if (
+        host not in ("127.0.0.1", "localhost", "::1")
+        and not token
+        and not allow_no_token
+    ):
+        raise ConfigError(
+            f"refusing to serve the dashboard on {host} without a token; "
+            "set SHARDCACHE_DASHBOARD_TOKEN or bind to 127.0.0.1."
+        )
     app = create_app(redis_url or local_redis_url(), namespace, token)
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -19,14 +19,17 @@ def make_image(i: int, size: int = 32, fmt: str = "PNG", seed: int = 0) -> bytes
     base = np.zeros((size, size, 3), dtype=np.uint8)
     base[..., label % 3] = 40 + 20 * label
     noise = rng.integers(0, 60, size=(size, size, 3), dtype=np.uint8)
-    img = Image.fromarray(np.clip(base.astype(np.int16) + noise, 0, 255).astype(np.uint8))
+    img = Image.fromarray(
+        np.clip(base.astype(np.int16) + noise, 0, 255).astype(np.uint8)
+    )
     buf = io.BytesIO()
     img.save(buf, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
     return buf.getvalue()
 
 
-def upload_images(fs: Any, prefix: str, count: int, *, size: int = 32, fmt: str = "PNG",
-                  seed: int = 0) -> list[str]:
+def upload_images(
+    fs: Any, prefix: str, count: int, *, size: int = 32, fmt: str = "PNG", seed: int = 0
+) -> list[str]:
     """Write ``count`` images under ``prefix`` (an fsspec path); returns their paths."""
     ext = "png" if fmt == "PNG" else "jpg"
     paths = [f"{prefix.rstrip('/')}/img-{i:06d}-c{i % 10}.{ext}" for i in range(count)]
@@ -34,7 +37,9 @@ def upload_images(fs: Any, prefix: str, count: int, *, size: int = 32, fmt: str 
     return paths
 
 
-def upload_blobs(fs: Any, prefix: str, count: int, nbytes: int, seed: int = 0) -> list[str]:
+def upload_blobs(
+    fs: Any, prefix: str, count: int, nbytes: int, seed: int = 0
+) -> list[str]:
     """Write ``count`` random blobs of ``nbytes`` each under ``prefix``."""
     rng = np.random.default_rng(seed)
     paths = [f"{prefix.rstrip('/')}/blob-{i:06d}.bin" for i in range(count)]

@@ -46,16 +46,31 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], out: Any) 
 
     torch.set_num_threads(1)
     ray.init(address=cfg["ray_address"], log_to_driver=False, logging_level="ERROR")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    ds = DistributedCachedDataset(cfg["url"], preprocess=decode_image_chw,
-                                  target=label_from_url if cfg["labels"] else None,
-                                  storage_options=cfg["storage_options"], redis_url=cfg["redis_url"],
-                                  name="demo-images", job="demo")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    ds = DistributedCachedDataset(
+        cfg["url"],
+        preprocess=decode_image_chw,
+        target=label_from_url if cfg["labels"] else None,
+        storage_options=cfg["storage_options"],
+        redis_url=cfg["redis_url"],
+        name="demo-images",
+        job="demo",
+    )
     loader = DataLoader(ds, batch_size=cfg["batch_size"], sampler=ds.sampler)
-    model = DistributedDataParallel(nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-        nn.Linear(32, 10)))
+    model = DistributedDataParallel(
+        nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(32, 10),
+        )
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for epoch in range(cfg["epochs"]):
         ds.set_epoch(epoch)
@@ -64,7 +79,11 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], out: Any) 
         before = ds.stats()
         started, loss_sum, n = time.perf_counter(), 0.0, 0
         for batch in loader:
-            x, y = batch if cfg["labels"] else (batch, torch.zeros(len(batch), dtype=torch.long))
+            x, y = (
+                batch
+                if cfg["labels"]
+                else (batch, torch.zeros(len(batch), dtype=torch.long))
+            )
             if isinstance(x, dict):
                 x = next(iter(x.values()))
             loss = nn.functional.cross_entropy(model(x), y)
@@ -75,10 +94,18 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], out: Any) 
         elapsed = time.perf_counter() - started
         after = ds.stats()
         dist.barrier()
-        row = {"rank": rank, "epoch": epoch + 1, "samples": n, "seconds": elapsed,
-               "hits": after["hits"] - before["hits"], "misses": after["misses"] - before["misses"],
-               "remote_reads": after["remote_reads"] - before["remote_reads"],
-               "p50": after["wait_p50_ms"], "p99": after["wait_p99_ms"], "loss": loss_sum / max(n, 1)}
+        row = {
+            "rank": rank,
+            "epoch": epoch + 1,
+            "samples": n,
+            "seconds": elapsed,
+            "hits": after["hits"] - before["hits"],
+            "misses": after["misses"] - before["misses"],
+            "remote_reads": after["remote_reads"] - before["remote_reads"],
+            "p50": after["wait_p50_ms"],
+            "p99": after["wait_p99_ms"],
+            "loss": loss_sum / max(n, 1),
+        }
         rows: list[Any] = [None] * world
         dist.all_gather_object(rows, row)
         if rank == 0:
@@ -99,8 +126,11 @@ def _start_dashboard(redis_url: str) -> str:
     from shardcache_server.dashboard import create_app
 
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(redis_url), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(redis_url), host="127.0.0.1", port=port, log_level="warning"
+        )
+    )
     threading.Thread(target=server.run, daemon=True).start()
     return f"http://127.0.0.1:{port}/"
 
@@ -111,8 +141,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_demo(*, source: str | None, images: int, epochs: int, ranks: int, batch_size: int,
-             console: Console) -> bool:
+def run_demo(
+    *,
+    source: str | None,
+    images: int,
+    epochs: int,
+    ranks: int,
+    batch_size: int,
+    console: Console,
+) -> bool:
     """Run the demo end to end; True when warm epochs made zero remote reads."""
     # Loopback only: Ray otherwise advertises the host's interface address.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -126,35 +163,61 @@ def run_demo(*, source: str | None, images: int, epochs: int, ranks: int, batch_
     from shardcache_server.emulator import S3Emulator
 
     with tempfile.TemporaryDirectory(prefix="shardcache-demo-") as tmp:
-        redis_proc, redis_url = start_redis_server(Path(tmp), password=secrets.token_urlsafe(16))
+        redis_proc, redis_url = start_redis_server(
+            Path(tmp), password=secrets.token_urlsafe(16)
+        )
         emulator = None
         try:
             if source is None:
                 import s3fs
 
                 emulator = S3Emulator().start()
-                fs = s3fs.S3FileSystem(skip_instance_cache=True, **emulator.storage_options())
+                fs = s3fs.S3FileSystem(
+                    skip_instance_cache=True, **emulator.storage_options()
+                )
                 fs.mkdir("demo")
-                with console.status(f"generating {images} PNG images in the S3 emulator"):
+                with console.status(
+                    f"generating {images} PNG images in the S3 emulator"
+                ):
                     upload_images(fs, "demo/train", images)
                 url, storage_options = "s3://demo/train/", emulator.storage_options()
-                console.print(f"S3 emulator at {emulator.endpoint_url} holds {images} images")
+                console.print(
+                    f"S3 emulator at {emulator.endpoint_url} holds {images} images"
+                )
             else:
                 url, storage_options = source, {}
-            ray.init(num_cpus=max(2, ranks), object_store_memory=DEMO_OBJECT_STORE_BYTES,
-                     include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-            console.print(f"Ray {ray.__version__} local cluster, Redis on loopback (password set)")
+            ray.init(
+                num_cpus=max(2, ranks),
+                object_store_memory=DEMO_OBJECT_STORE_BYTES,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level="ERROR",
+            )
+            console.print(
+                f"Ray {ray.__version__} local cluster, Redis on loopback (password set)"
+            )
             dashboard_url = _start_dashboard(redis_url)
-            console.print(f"dashboard (while the demo runs): {dashboard_url}  "
-                          f"[dim](Redis {redact_url(redis_url)})[/]")
-            cfg = {"ray_address": ray.get_runtime_context().gcs_address, "url": url,
-                   "storage_options": storage_options, "redis_url": redis_url, "epochs": epochs,
-                   "batch_size": batch_size, "endpoint": emulator.endpoint_url if emulator else None,
-                   "labels": source is None}
+            console.print(
+                f"dashboard (while the demo runs): {dashboard_url}  "
+                f"[dim](Redis {redact_url(redis_url)})[/]"
+            )
+            cfg = {
+                "ray_address": ray.get_runtime_context().gcs_address,
+                "url": url,
+                "storage_options": storage_options,
+                "redis_url": redis_url,
+                "epochs": epochs,
+                "batch_size": batch_size,
+                "endpoint": emulator.endpoint_url if emulator else None,
+                "labels": source is None,
+            }
             ctx = mp.get_context("spawn")
             out = ctx.Queue()
             port = _free_port()
-            procs = [ctx.Process(target=_rank_main, args=(r, ranks, port, cfg, out)) for r in range(ranks)]
+            procs = [
+                ctx.Process(target=_rank_main, args=(r, ranks, port, cfg, out))
+                for r in range(ranks)
+            ]
             for p in procs:
                 p.start()
             results = []
@@ -163,14 +226,22 @@ def run_demo(*, source: str | None, images: int, epochs: int, ranks: int, batch_
                 _print_epoch(console, results[-1])
             for p in procs:
                 p.join(timeout=120)
-            warm_reads = [r["s3_gets"] if r["s3_gets"] is not None else
-                          sum(row["remote_reads"] for row in r["rows"]) for r in results[1:]]
+            warm_reads = [
+                r["s3_gets"]
+                if r["s3_gets"] is not None
+                else sum(row["remote_reads"] for row in r["rows"])
+                for r in results[1:]
+            ]
             ok = all(p.exitcode == 0 for p in procs) and all(w == 0 for w in warm_reads)
             if ok:
-                console.print(f"[bold green]epochs 2..{epochs} made zero remote reads[/]: "
-                              "every sample came from the rank's own node cache.")
+                console.print(
+                    f"[bold green]epochs 2..{epochs} made zero remote reads[/]: "
+                    "every sample came from the rank's own node cache."
+                )
             else:
-                console.print(f"[bold red]unexpected remote reads in warm epochs: {warm_reads}[/]")
+                console.print(
+                    f"[bold red]unexpected remote reads in warm epochs: {warm_reads}[/]"
+                )
             return ok
         finally:
             if ray.is_initialized():
@@ -187,13 +258,35 @@ def _print_epoch(console: Console, result: dict[str, Any]) -> None:
     total = sum(r["samples"] for r in rows)
     seconds = max(r["seconds"] for r in rows)
     hits, misses = sum(r["hits"] for r in rows), sum(r["misses"] for r in rows)
-    gets = result["s3_gets"] if result["s3_gets"] is not None else sum(r["remote_reads"] for r in rows)
-    table = Table(title=f"epoch {result['epoch']}: {total / seconds:,.0f} samples/s, "
-                        f"hit rate {hits / max(hits + misses, 1):.1%}, S3 GETs {gets}")
-    for col in ("rank", "samples", "samples/s", "hits", "misses", "wait p50 ms", "wait p99 ms", "loss"):
+    gets = (
+        result["s3_gets"]
+        if result["s3_gets"] is not None
+        else sum(r["remote_reads"] for r in rows)
+    )
+    table = Table(
+        title=f"epoch {result['epoch']}: {total / seconds:,.0f} samples/s, "
+        f"hit rate {hits / max(hits + misses, 1):.1%}, S3 GETs {gets}"
+    )
+    for col in (
+        "rank",
+        "samples",
+        "samples/s",
+        "hits",
+        "misses",
+        "wait p50 ms",
+        "wait p99 ms",
+        "loss",
+    ):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r["rank"]), str(r["samples"]), f"{r['samples'] / r['seconds']:,.0f}",
-                      str(r["hits"]), str(r["misses"]), f"{r['p50']:.2f}", f"{r['p99']:.2f}",
-                      f"{r['loss']:.3f}")
+        table.add_row(
+            str(r["rank"]),
+            str(r["samples"]),
+            f"{r['samples'] / r['seconds']:,.0f}",
+            str(r["hits"]),
+            str(r["misses"]),
+            f"{r['p50']:.2f}",
+            f"{r['p99']:.2f}",
+            f"{r['loss']:.3f}",
+        )
     console.print(table)

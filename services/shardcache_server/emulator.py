@@ -77,8 +77,11 @@ class S3Emulator:
 
     def storage_options(self) -> dict[str, Any]:
         """fsspec/s3fs options that point at this emulator with fake credentials."""
-        return {"key": "testing", "secret": "testing",
-                "client_kwargs": {"endpoint_url": self.endpoint_url}}
+        return {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": self.endpoint_url},
+        }
 
     def start(self) -> S3Emulator:
         from moto.moto_server.werkzeug_app import (
@@ -87,13 +90,20 @@ class S3Emulator:
             create_backend_app,
         )
 
-        class _QuietHandler(MotoRequestHandler):  # one log line per GET drowns the tests
+        class _QuietHandler(
+            MotoRequestHandler
+        ):  # one log line per GET drowns the tests
             def log_request(self, *args: Any, **kwargs: Any) -> None:
                 pass
 
         moto_app = DomainDispatcherApplication(create_backend_app)
-        self._server = make_server(self.host, self.port, self._wrap(moto_app), threaded=True,
-                                   request_handler=_QuietHandler)
+        self._server = make_server(
+            self.host,
+            self.port,
+            self._wrap(moto_app),
+            threaded=True,
+            request_handler=_QuietHandler,
+        )
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
@@ -118,14 +128,20 @@ class S3Emulator:
     def total_gets(self) -> int:
         return sum(self.gets.values())
 
-    def _wrap(self, app: Callable[[Environ, StartResponse], Iterable[bytes]]) -> Callable[..., Any]:
-        def middleware(environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
+    def _wrap(
+        self, app: Callable[[Environ, StartResponse], Iterable[bytes]]
+    ) -> Callable[..., Any]:
+        def middleware(
+            environ: Environ, start_response: StartResponse
+        ) -> Iterable[bytes]:
             path = environ.get("PATH_INFO", "")
             if path.startswith("/_emulator/"):
                 return self._control(environ, start_response, path)
             method = environ.get("REQUEST_METHOD", "GET")
             query = environ.get("QUERY_STRING", "")
-            is_object_get = method == "GET" and path.count("/") >= 2 and "list-type" not in query
+            is_object_get = (
+                method == "GET" and path.count("/") >= 2 and "list-type" not in query
+            )
             with self._lock:
                 self.requests += 1
                 plan = self.faults
@@ -139,8 +155,13 @@ class S3Emulator:
                 time.sleep(plan.latency_s)
             if roll < plan.error_rate:
                 body = _ERROR_BODY.get(plan.error_status, _ERROR_BODY[500])
-                start_response(f"{plan.error_status} Error",
-                               [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
+                start_response(
+                    f"{plan.error_status} Error",
+                    [
+                        ("Content-Type", "application/xml"),
+                        ("Content-Length", str(len(body))),
+                    ],
+                )
                 return [body]
             if truncate:
                 return self._truncated(app, environ, start_response)
@@ -148,29 +169,47 @@ class S3Emulator:
 
         return middleware
 
-    def _truncated(self, app: Callable[..., Iterable[bytes]], environ: Environ,
-                   start_response: StartResponse) -> Iterable[bytes]:
+    def _truncated(
+        self,
+        app: Callable[..., Iterable[bytes]],
+        environ: Environ,
+        start_response: StartResponse,
+    ) -> Iterable[bytes]:
         captured: dict[str, Any] = {}
 
-        def capture(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+        def capture(
+            status: str, headers: list[tuple[str, str]], exc_info: Any = None
+        ) -> Any:
             captured["status"], captured["headers"] = status, headers
             return lambda _data: None
 
         body = b"".join(app(environ, capture))
         half = body[: len(body) // 2]
-        headers = [(k, str(len(half)) if k.lower() == "content-length" else v)
-                   for k, v in captured["headers"]]
+        headers = [
+            (k, str(len(half)) if k.lower() == "content-length" else v)
+            for k, v in captured["headers"]
+        ]
         start_response(captured["status"], headers)
         return [half]
 
-    def _control(self, environ: Environ, start_response: StartResponse, path: str) -> Iterable[bytes]:
+    def _control(
+        self, environ: Environ, start_response: StartResponse, path: str
+    ) -> Iterable[bytes]:
         if path == "/_emulator/stats":
             with self._lock:
-                body = json.dumps({"gets": dict(self.gets), "total_gets": self.total_gets,
-                                   "requests": self.requests, "faults": asdict(self.faults)})
+                body = json.dumps(
+                    {
+                        "gets": dict(self.gets),
+                        "total_gets": self.total_gets,
+                        "requests": self.requests,
+                        "faults": asdict(self.faults),
+                    }
+                )
         elif path == "/_emulator/faults" and environ.get("REQUEST_METHOD") == "POST":
             size = int(environ.get("CONTENT_LENGTH") or 0)
-            self.set_faults(FaultPlan(**json.loads(environ["wsgi.input"].read(size) or b"{}")))
+            self.set_faults(
+                FaultPlan(**json.loads(environ["wsgi.input"].read(size) or b"{}"))
+            )
             body = json.dumps(asdict(self.faults))
         elif path == "/_emulator/reset" and environ.get("REQUEST_METHOD") == "POST":
             self.reset_counts()
@@ -179,5 +218,8 @@ class S3Emulator:
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b"unknown emulator endpoint"]
         data = body.encode()
-        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
+        start_response(
+            "200 OK",
+            [("Content-Type", "application/json"), ("Content-Length", str(len(data)))],
+        )
         return [data]

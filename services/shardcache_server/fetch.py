@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import fsspec
+
 from shardcache.errors import CorruptObjectError, RemoteFetchError, SourceNotFound
 from shardcache.source import open_remote
 
@@ -35,12 +36,25 @@ class Fetcher:
         timeout_s: limit for one attempt. verify_checksum: check MD5 ETags.
     """
 
-    def __init__(self, protocol: str, storage_options: dict[str, Any], *, concurrency: int,
-                 retries: int, backoff_s: float, backoff_max_s: float, timeout_s: float,
-                 verify_checksum: bool = True):
+    def __init__(
+        self,
+        protocol: str,
+        storage_options: dict[str, Any],
+        *,
+        concurrency: int,
+        retries: int,
+        backoff_s: float,
+        backoff_max_s: float,
+        timeout_s: float,
+        verify_checksum: bool = True,
+    ):
         self.protocol = protocol
         self.storage_options = dict(storage_options)
-        self.retries, self.backoff_s, self.backoff_max_s = retries, backoff_s, backoff_max_s
+        self.retries, self.backoff_s, self.backoff_max_s = (
+            retries,
+            backoff_s,
+            backoff_max_s,
+        )
         self.timeout_s, self.verify_checksum = timeout_s, verify_checksum
         self._concurrency = concurrency
         self._sem: asyncio.Semaphore | None = None
@@ -52,7 +66,9 @@ class Fetcher:
             if getattr(cls, "async_impl", False):
                 # A private instance bound to this event loop: the store's loop
                 # drives every GET, no thread hop per object.
-                fs = cls(asynchronous=True, skip_instance_cache=True, **self.storage_options)
+                fs = cls(
+                    asynchronous=True, skip_instance_cache=True, **self.storage_options
+                )
                 if hasattr(fs, "set_session"):
                     await fs.set_session()
             else:
@@ -79,7 +95,9 @@ class Fetcher:
                 await asyncio.sleep(random.uniform(0, delay))
             try:
                 async with self._sem:
-                    data = await asyncio.wait_for(self._read(fs, path, size), self.timeout_s)
+                    data = await asyncio.wait_for(
+                        self._read(fs, path, size), self.timeout_s
+                    )
                 self._check(url, data, size, etag)
                 return data
             except FileNotFoundError as exc:
@@ -96,13 +114,18 @@ class Fetcher:
             except (OSError, TimeoutError, _Retryable) as exc:
                 last = exc
             except Exception as exc:  # botocore/aiohttp errors that s3fs did not map
-                if type(exc).__module__.split(".")[0] not in ("botocore", "aiobotocore", "aiohttp"):
+                if type(exc).__module__.split(".")[0] not in (
+                    "botocore",
+                    "aiobotocore",
+                    "aiohttp",
+                ):
                     raise
                 last = exc
                 if "Checksum" in type(exc).__name__:
                     last = CorruptObjectError(
                         f"object {url!r} failed the transfer checksum ({exc}): corrupted or "
-                        "truncated in transit. Not cached.")
+                        "truncated in transit. Not cached."
+                    )
                     last.__cause__ = exc
         if isinstance(last, CorruptObjectError):
             raise last

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
 from shardcache.decoders import decode_image, decode_image_chw, raw_bytes
 from shardcache.errors import ConfigError, PreprocessError
 
@@ -55,7 +56,9 @@ def _to_array(value: Any, url: str, field: str = "") -> np.ndarray:
     return np.ascontiguousarray(value)
 
 
-def run_preprocess(fn: Callable[[bytes], Any], data: bytes, url: str) -> np.ndarray | dict[str, np.ndarray]:
+def run_preprocess(
+    fn: Callable[[bytes], Any], data: bytes, url: str
+) -> np.ndarray | dict[str, np.ndarray]:
     """Run ``fn`` on one object's bytes and normalise the result.
 
     Raises:
@@ -71,7 +74,9 @@ def run_preprocess(fn: Callable[[bytes], Any], data: bytes, url: str) -> np.ndar
         ) from exc
     if isinstance(value, dict):
         if not value or not all(isinstance(k, str) for k in value):
-            raise PreprocessError(f"preprocess returned a dict without string keys for {url!r}.")
+            raise PreprocessError(
+                f"preprocess returned a dict without string keys for {url!r}."
+            )
         return {k: _to_array(v, url, k) for k, v in value.items()}
     return _to_array(value, url)
 
@@ -79,7 +84,13 @@ def run_preprocess(fn: Callable[[bytes], Any], data: bytes, url: str) -> np.ndar
 def describe(value: np.ndarray | dict[str, np.ndarray]) -> dict[str, Any]:
     """Shape, dtype and size of a stored value, for the index entry."""
     if isinstance(value, dict):
-        return {"nbytes": int(sum(v.nbytes for v in value.values())),
-                "shape": {k: list(v.shape) for k, v in value.items()},
-                "dtype": {k: str(v.dtype) for k, v in value.items()}}
-    return {"nbytes": int(value.nbytes), "shape": list(value.shape), "dtype": str(value.dtype)}
+        return {
+            "nbytes": int(sum(v.nbytes for v in value.values())),
+            "shape": {k: list(v.shape) for k, v in value.items()},
+            "dtype": {k: str(v.dtype) for k, v in value.items()},
+        }
+    return {
+        "nbytes": int(value.nbytes),
+        "shape": list(value.shape),
+        "dtype": str(value.dtype),
+    }

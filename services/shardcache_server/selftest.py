@@ -19,8 +19,14 @@ __all__ = ["run_selftest"]
 SELFTEST_OBJECTS = 8
 
 
-def run_selftest(*, ray_address: str | None, dashboard_url: str | None, redis_url: str | None,
-                 namespace: str, console: Console) -> None:
+def run_selftest(
+    *,
+    ray_address: str | None,
+    dashboard_url: str | None,
+    redis_url: str | None,
+    namespace: str,
+    console: Console,
+) -> None:
     """Raise a ShardCacheError naming the first failed check."""
     import ray
     import s3fs
@@ -42,24 +48,35 @@ def run_selftest(*, ray_address: str | None, dashboard_url: str | None, redis_ur
             with urllib.request.urlopen(f"{dashboard_url}/healthz", timeout=10) as resp:
                 console.print(f"dashboard: {resp.read().decode().strip()}")
         except OSError as exc:
-            raise BackendError(f"dashboard {dashboard_url}/healthz failed: {exc}") from exc
+            raise BackendError(
+                f"dashboard {dashboard_url}/healthz failed: {exc}"
+            ) from exc
     # The stores in other pods must reach this emulator: bind the pod IP there.
     emulator = S3Emulator(host=os.environ.get("POD_IP", "127.0.0.1")).start()
     try:
         fs = s3fs.S3FileSystem(skip_instance_cache=True, **emulator.storage_options())
         fs.mkdir("selftest")
         upload_blobs(fs, "selftest/d", SELFTEST_OBJECTS, 1024)
-        summary = warm_dataset("s3://selftest/d/", name="selftest", storage_options=emulator.storage_options(),
-                               redis_url=index.url, namespace=namespace, ray_address=ray_address,
-                               console=console)
+        summary = warm_dataset(
+            "s3://selftest/d/",
+            name="selftest",
+            storage_options=emulator.storage_options(),
+            redis_url=index.url,
+            namespace=namespace,
+            ray_address=ray_address,
+            console=console,
+        )
         attach_ray(ray_address)
         client = CacheClient(ClientConfig(redis_url=index.url, namespace=namespace))
-        results = client.get_refs("selftest", summary["generation"], [
-            (o, e, s) for o, e, s in _items(fs)])
+        results = client.get_refs(
+            "selftest", summary["generation"], [(o, e, s) for o, e, s in _items(fs)]
+        )
         ray.get([ref for _, ref in results])
         statuses = {s for s, _ in results}
         if statuses - {"hit", "remote-hit"}:
-            raise ShardUnavailable(f"selftest: second read was not all hits: {sorted(statuses)}")
+            raise ShardUnavailable(
+                f"selftest: second read was not all hits: {sorted(statuses)}"
+            )
         console.print(f"cache: {SELFTEST_OBJECTS} objects warmed and read back as hits")
     finally:
         emulator.stop()
@@ -68,6 +85,12 @@ def run_selftest(*, ray_address: str | None, dashboard_url: str | None, redis_ur
 def _items(fs: object) -> list[tuple[str, str, int]]:
     from shardcache.source import list_source
 
-    options = {"key": fs.key, "secret": fs.secret,  # type: ignore[attr-defined]
-               "client_kwargs": fs.client_kwargs}  # type: ignore[attr-defined]
-    return [(o.url, o.etag, o.size) for o in list_source("s3://selftest/d/", options).objects]
+    options = {
+        "key": fs.key,
+        "secret": fs.secret,  # type: ignore[attr-defined]
+        "client_kwargs": fs.client_kwargs,
+    }  # type: ignore[attr-defined]
+    return [
+        (o.url, o.etag, o.size)
+        for o in list_source("s3://selftest/d/", options).objects
+    ]

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
 from shardcache.keys import DEFAULT_NAMESPACE, validate_name
 
 __all__ = ["ServiceSettings"]

@@ -23,7 +23,6 @@ from typing import Any
 from shardcache import keys
 from shardcache.errors import BackendError, ConfigError, ShardCacheError
 from shardcache.index import RedisIndex
-
 from shardcache_server.eviction import make_policy
 from shardcache_server.fetch import Fetcher
 from shardcache_server.preprocess import describe, run_preprocess
@@ -76,10 +75,19 @@ class CacheShard:
         peer: returns the store handle of another node, or ``None`` if gone.
     """
 
-    def __init__(self, settings: dict[str, Any] | ServiceSettings, node_id: str, *,
-                 put: Callable[[Any], Any] | None = None,
-                 peer: Callable[[str], Any] | None = None):
-        self.settings = settings if isinstance(settings, ServiceSettings) else ServiceSettings(**settings)
+    def __init__(
+        self,
+        settings: dict[str, Any] | ServiceSettings,
+        node_id: str,
+        *,
+        put: Callable[[Any], Any] | None = None,
+        peer: Callable[[str], Any] | None = None,
+    ):
+        self.settings = (
+            settings
+            if isinstance(settings, ServiceSettings)
+            else ServiceSettings(**settings)
+        )
         self.node_id = node_id
         self.incarnation = uuid.uuid4().hex[:8]
         self.me = f"{node_id}/{self.incarnation}"
@@ -91,7 +99,9 @@ class CacheShard:
         self._generation: dict[str, int] = defaultdict(int)
         self._inflight: dict[tuple[str, int, str, str], asyncio.Future[Result]] = {}
         self._stats = StatsBuffer()
-        self._pool = ThreadPoolExecutor(self.settings.preprocess_workers, thread_name_prefix="preprocess")
+        self._pool = ThreadPoolExecutor(
+            self.settings.preprocess_workers, thread_name_prefix="preprocess"
+        )
         self._index: RedisIndex | None = None
         self._index_dirty = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -103,9 +113,13 @@ class CacheShard:
         if self._loop is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._index = RedisIndex.from_url(self.settings.redis_url, self.settings.namespace)
+        self._index = RedisIndex.from_url(
+            self.settings.redis_url, self.settings.namespace
+        )
         self._tasks.append(self._loop.create_task(self._flush_forever()))
-        threading.Thread(target=self._listen_forever, name="invalidations", daemon=True).start()
+        threading.Thread(
+            target=self._listen_forever, name="invalidations", daemon=True
+        ).start()
 
     async def ping(self) -> str:
         """Start background work and return ``node_id/incarnation``."""
@@ -121,7 +135,9 @@ class CacheShard:
         self._pool.shutdown(wait=False)
 
     # -- public API ------------------------------------------------------------
-    async def register(self, spec: dict[str, Any], preprocess: Callable[[bytes], Any]) -> int:
+    async def register(
+        self, spec: dict[str, Any], preprocess: Callable[[bytes], Any]
+    ) -> int:
         """Learn how to fetch and preprocess a dataset; returns its generation.
 
         The callable comes from the job that registered the dataset (through
@@ -130,16 +146,29 @@ class CacheShard:
         self._ensure_started()
         name = keys.validate_name("dataset name", spec["name"])
         fetcher = Fetcher(
-            spec["protocol"], spec.get("storage_options") or {},
-            concurrency=self.settings.fetch_concurrency, retries=self.settings.fetch_retries,
-            backoff_s=self.settings.backoff_s, backoff_max_s=self.settings.backoff_max_s,
-            timeout_s=self.settings.fetch_timeout_s, verify_checksum=self.settings.verify_checksum)
-        self._datasets[name] = _Dataset(name, spec["protocol"], spec["fingerprint"], preprocess, fetcher)
+            spec["protocol"],
+            spec.get("storage_options") or {},
+            concurrency=self.settings.fetch_concurrency,
+            retries=self.settings.fetch_retries,
+            backoff_s=self.settings.backoff_s,
+            backoff_max_s=self.settings.backoff_max_s,
+            timeout_s=self.settings.fetch_timeout_s,
+            verify_checksum=self.settings.verify_checksum,
+        )
+        self._datasets[name] = _Dataset(
+            name, spec["protocol"], spec["fingerprint"], preprocess, fetcher
+        )
         self._advance(name, int(spec["generation"]))
         return self._generation[name]
 
-    async def get(self, dataset: str, generation: int, items: list[Item], *,
-                  forwarded: bool = False) -> list[Result]:
+    async def get(
+        self,
+        dataset: str,
+        generation: int,
+        items: list[Item],
+        *,
+        forwarded: bool = False,
+    ) -> list[Result]:
         """Return a reference (or an error record) for every item, in order.
 
         Hits cost nothing but a dict lookup. Misses are claimed in Redis: this
@@ -152,8 +181,10 @@ class CacheShard:
             return [("unregistered",)] * len(items)
         known = self._generation[dataset]
         if generation < known:
-            msg = (f"dataset {dataset!r} generation {generation} was invalidated; "
-                   f"the current generation is {known}. Re-read the generation and retry.")
+            msg = (
+                f"dataset {dataset!r} generation {generation} was invalidated; "
+                f"the current generation is {known}. Re-read the generation and retry."
+            )
             return [("error", "StaleVersionError", msg)] * len(items)
         if generation > known:
             self._advance(dataset, generation)
@@ -162,7 +193,11 @@ class CacheShard:
         to_load: list[Item] = []
         for i, (url, etag, size) in enumerate(items):
             cached = self._table.get((dataset, url))
-            if cached is not None and cached.etag == etag and cached.generation == generation:
+            if (
+                cached is not None
+                and cached.etag == etag
+                and cached.generation == generation
+            ):
                 self._policy.touch((dataset, url))
                 results[i] = ("hit", cached.ref)
                 if not forwarded:
@@ -178,7 +213,8 @@ class CacheShard:
             waiting[i] = fut
         if to_load:
             asyncio.get_running_loop().create_task(
-                self._resolve(ds, generation, to_load, forwarded=forwarded))
+                self._resolve(ds, generation, to_load, forwarded=forwarded)
+            )
         for i, fut in waiting.items():
             res = await asyncio.shield(fut)
             results[i] = res
@@ -188,7 +224,9 @@ class CacheShard:
 
     async def drop(self, dataset: str, urls: list[str] | None = None) -> int:
         """Forget cached values of a dataset (all, or only ``urls``)."""
-        victims = [k for k in self._table if k[0] == dataset and (urls is None or k[1] in urls)]
+        victims = [
+            k for k in self._table if k[0] == dataset and (urls is None or k[1] in urls)
+        ]
         for k in victims:
             self._evict_local(k)
         return len(victims)
@@ -198,26 +236,37 @@ class CacheShard:
         per_ds: dict[str, int] = defaultdict(int)
         for (ds, _), c in self._table.items():
             per_ds[ds] += c.nbytes
-        return {"node_id": self.node_id, "incarnation": self.incarnation,
-                "used_bytes": self._policy.used_bytes, "budget_bytes": self._policy.budget_bytes,
-                "entries": len(self._table), "eviction": self.settings.eviction,
-                "bytes_by_dataset": dict(per_ds), "generations": dict(self._generation),
-                "dropped_stat_flushes": self._stats.dropped_flushes,
-                "inflight": len(self._inflight)}
+        return {
+            "node_id": self.node_id,
+            "incarnation": self.incarnation,
+            "used_bytes": self._policy.used_bytes,
+            "budget_bytes": self._policy.budget_bytes,
+            "entries": len(self._table),
+            "eviction": self.settings.eviction,
+            "bytes_by_dataset": dict(per_ds),
+            "generations": dict(self._generation),
+            "dropped_stat_flushes": self._stats.dropped_flushes,
+            "inflight": len(self._inflight),
+        }
 
     async def cached_urls(self, dataset: str) -> list[str]:
         """URLs of ``dataset`` held here (tests and ``shardcache ls``)."""
         return sorted(url for (ds, url) in self._table if ds == dataset)
 
     # -- miss path -------------------------------------------------------------
-    async def _resolve(self, ds: _Dataset, generation: int, items: list[Item], *,
-                       forwarded: bool) -> None:
+    async def _resolve(
+        self, ds: _Dataset, generation: int, items: list[Item], *, forwarded: bool
+    ) -> None:
         by_url = {it[0]: it for it in items}
         try:
-            mine, remote = await self._split_by_owner(ds.name, generation, list(by_url), forwarded)
+            mine, remote = await self._split_by_owner(
+                ds.name, generation, list(by_url), forwarded
+            )
             jobs = [self._load(ds, generation, by_url[u]) for u in mine]
-            jobs += [self._forward(ds, generation, owner, [by_url[u] for u in urls])
-                     for owner, urls in remote.items()]
+            jobs += [
+                self._forward(ds, generation, owner, [by_url[u] for u in urls])
+                for owner, urls in remote.items()
+            ]
             outcomes = await asyncio.gather(*jobs, return_exceptions=True)
             for outcome in outcomes:
                 if isinstance(outcome, BaseException):
@@ -225,58 +274,84 @@ class CacheShard:
         except Exception as exc:  # never leave a waiter hanging; report to each
             log.exception("resolving %d items of %s failed", len(items), ds.name)
             for url, etag, _ in items:
-                self._settle((ds.name, generation, url, etag),
-                             ("error", type(exc).__name__, f"{url!r}: {exc}"))
+                self._settle(
+                    (ds.name, generation, url, etag),
+                    ("error", type(exc).__name__, f"{url!r}: {exc}"),
+                )
 
-    async def _split_by_owner(self, dataset: str, generation: int, urls: list[str],
-                              forwarded: bool) -> tuple[list[str], dict[str, list[str]]]:
+    async def _split_by_owner(
+        self, dataset: str, generation: int, urls: list[str], forwarded: bool
+    ) -> tuple[list[str], dict[str, list[str]]]:
         if forwarded:
             return urls, {}  # the caller already decided we own these; never ping-pong
         assert self._index is not None
         try:
-            owners = await asyncio.to_thread(self._index.claim_owners, dataset, generation, urls, self.me)
+            owners = await asyncio.to_thread(
+                self._index.claim_owners, dataset, generation, urls, self.me
+            )
         except BackendError:
             # Redis down: keep training. Fetch locally without a claim; at worst
             # another node reads the same object once more.
             self._index_dirty = True
             return urls, {}
         mine, remote = [], defaultdict(list)
-        for url, owner in zip(urls, owners):
+        for url, owner in zip(urls, owners, strict=False):
             node = owner.split("/", 1)[0]
             if owner == self.me:
                 mine.append(url)
             elif node == self.node_id:  # an earlier incarnation of this store
-                await asyncio.to_thread(self._index.take_over, dataset, generation, url, owner, self.me)
+                await asyncio.to_thread(
+                    self._index.take_over, dataset, generation, url, owner, self.me
+                )
                 mine.append(url)
             else:
                 remote[owner].append(url)
         return mine, remote
 
-    async def _forward(self, ds: _Dataset, generation: int, owner: str, items: list[Item]) -> None:
+    async def _forward(
+        self, ds: _Dataset, generation: int, owner: str, items: list[Item]
+    ) -> None:
         node = owner.split("/", 1)[0]
         handle = self._peer(node)
         results: list[Result] | None = None
         if handle is not None:
             try:
-                results = await handle.get.remote(ds.name, generation, items, forwarded=True)
+                results = await asyncio.wait_for(
+                    handle.get.remote(ds.name, generation, items, forwarded=True),
+                    self.settings.fetch_timeout_s * (self.settings.fetch_retries + 1),
+                )
                 if results and results[0][0] == "unregistered":
-                    spec = {"name": ds.name, "protocol": ds.protocol, "fingerprint": ds.fingerprint,
-                            "storage_options": ds.fetcher.storage_options, "generation": generation}
+                    spec = {
+                        "name": ds.name,
+                        "protocol": ds.protocol,
+                        "fingerprint": ds.fingerprint,
+                        "storage_options": ds.fetcher.storage_options,
+                        "generation": generation,
+                    }
                     await handle.register.remote(spec, ds.preprocess)
-                    results = await handle.get.remote(ds.name, generation, items, forwarded=True)
-            except Exception as exc:  # the owner died or its node is gone
-                if type(exc).__module__.split(".")[0] != "ray":
+                    results = await handle.get.remote(
+                        ds.name, generation, items, forwarded=True
+                    )
+            except Exception as exc:  # the owner died, hangs, or its node is gone
+                is_ray = type(exc).__module__.split(".")[0] == "ray"
+                if not is_ray and not isinstance(exc, TimeoutError):
                     raise
-                log.warning("owner store on %s unreachable (%s); taking over %d items",
-                            node, type(exc).__name__, len(items))
+                log.warning(
+                    "owner store on %s unreachable (%s); taking over %d items",
+                    node,
+                    type(exc).__name__,
+                    len(items),
+                )
                 results = None
         if results is None:
             assert self._index is not None
             for url, _, _ in items:
-                await asyncio.to_thread(self._index.take_over, ds.name, generation, url, owner, self.me)
+                await asyncio.to_thread(
+                    self._index.take_over, ds.name, generation, url, owner, self.me
+                )
             await asyncio.gather(*(self._load(ds, generation, it) for it in items))
             return
-        for (url, etag, _), res in zip(items, results):
+        for (url, etag, _), res in zip(items, results, strict=False):
             if res[0] in ("hit", "fetched"):
                 res = ("remote-hit" if res[0] == "hit" else "fetched", res[1])
             self._settle((ds.name, generation, url, etag), res)
@@ -290,14 +365,24 @@ class CacheShard:
             self._stats.add(ds.name, "remote_reads")
             self._stats.add(ds.name, "bytes_read", len(data))
             loop = asyncio.get_running_loop()
-            value, ref = await loop.run_in_executor(self._pool, self._process, ds, data, url)
+            value, ref = await loop.run_in_executor(
+                self._pool, self._process, ds, data, url
+            )
         except ShardCacheError as exc:
             self._stats.add(ds.name, "errors")
             await self._forget_claim(ds.name, generation, [url])
-            self._event("fetch_error", ds.name, key=url, error=type(exc).__name__, message=str(exc))
+            self._event(
+                "fetch_error",
+                ds.name,
+                key=url,
+                error=type(exc).__name__,
+                message=str(exc),
+            )
             self._settle(key, ("error", type(exc).__name__, str(exc)))
             return
-        self._stats.add(ds.name, "fetch_ms_total", int((time.perf_counter() - started) * 1000))
+        self._stats.add(
+            ds.name, "fetch_ms_total", int((time.perf_counter() - started) * 1000)
+        )
         meta = describe(value)
         if self._generation[ds.name] == generation:
             self._admit(ds.name, generation, url, etag, ref, meta, data)
@@ -307,8 +392,16 @@ class CacheShard:
         value = run_preprocess(ds.preprocess, data, url)
         return value, self._put(value)
 
-    def _admit(self, dataset: str, generation: int, url: str, etag: str, ref: Any,
-               meta: dict[str, Any], data: bytes) -> None:
+    def _admit(
+        self,
+        dataset: str,
+        generation: int,
+        url: str,
+        etag: str,
+        ref: Any,
+        meta: dict[str, Any],
+        data: bytes,
+    ) -> None:
         admitted, evicted = self._policy.admit((dataset, url), meta["nbytes"])
         for victim in evicted:
             self._drop_entry(victim)
@@ -317,26 +410,42 @@ class CacheShard:
             self._stats.add(dataset, "uncached")
             return
         self._table[(dataset, url)] = _Cached(ref, etag, generation, meta["nbytes"])
-        entry = {"etag": etag, "size": len(data), "checksum": f"crc32:{zlib.crc32(data):08x}",
-                 "owner": self.node_id, "generation": generation, "cached_at": time.time(), **meta}
+        entry = {
+            "etag": etag,
+            "size": len(data),
+            "checksum": f"crc32:{zlib.crc32(data):08x}",
+            "owner": self.node_id,
+            "generation": generation,
+            "cached_at": time.time(),
+            **meta,
+        }
         evicted_urls: dict[str, list[str]] = defaultdict(list)
         for ds, u in evicted:
             evicted_urls[ds].append(u)
-        self._index_write(lambda idx: (
-            idx.record_entries(dataset, generation, {url: entry}),
-            [idx.release(ds, self._generation[ds], us, self.me) for ds, us in evicted_urls.items()],
-        ))
+        self._index_write(
+            lambda idx: (
+                idx.record_entries(dataset, generation, {url: entry}),
+                [
+                    idx.release(ds, self._generation[ds], us, self.me)
+                    for ds, us in evicted_urls.items()
+                ],
+            )
+        )
 
     def _settle(self, key: tuple[str, int, str, str], result: Result) -> None:
         fut = self._inflight.pop(key, None)
         if fut is not None and not fut.done():
             fut.set_result(result)
 
-    async def _forget_claim(self, dataset: str, generation: int, urls: list[str]) -> None:
+    async def _forget_claim(
+        self, dataset: str, generation: int, urls: list[str]
+    ) -> None:
         if self._index is None:
             return
         with contextlib.suppress(BackendError):
-            await asyncio.to_thread(self._index.release, dataset, generation, urls, self.me)
+            await asyncio.to_thread(
+                self._index.release, dataset, generation, urls, self.me
+            )
 
     # -- invalidation ----------------------------------------------------------
     def _advance(self, dataset: str, generation: int) -> None:
@@ -344,7 +453,11 @@ class CacheShard:
         if generation <= self._generation[dataset]:
             return
         self._generation[dataset] = generation
-        for k in [k for k, c in self._table.items() if k[0] == dataset and c.generation < generation]:
+        for k in [
+            k
+            for k, c in self._table.items()
+            if k[0] == dataset and c.generation < generation
+        ]:
             self._evict_local(k)
 
     def _evict_local(self, key: tuple[str, str]) -> None:
@@ -373,7 +486,9 @@ class CacheShard:
         channel = keys.invalidation_channel(self.settings.namespace)
         while not self._stop.is_set():
             try:
-                index = RedisIndex.from_url(self.settings.redis_url, self.settings.namespace)
+                index = RedisIndex.from_url(
+                    self.settings.redis_url, self.settings.namespace
+                )
                 pubsub = index.client.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(channel)
                 # Anything invalidated while we were away: catch up from the records.
@@ -387,7 +502,10 @@ class CacheShard:
             except Exception as exc:  # any Redis failure: back off and reconnect
                 if self._stop.is_set():
                     return
-                log.warning("invalidation listener lost Redis (%s); reconnecting", type(exc).__name__)
+                log.warning(
+                    "invalidation listener lost Redis (%s); reconnecting",
+                    type(exc).__name__,
+                )
                 self._index_dirty = True
                 time.sleep(RESYNC_BACKOFF_S)
 
@@ -410,7 +528,9 @@ class CacheShard:
         self._pool.submit(run)
 
     def _event(self, kind: str, dataset: str, **detail: Any) -> None:
-        self._index_write(lambda idx: idx.push_event(kind, dataset, node=self.node_id, **detail))
+        self._index_write(
+            lambda idx: idx.push_event(kind, dataset, node=self.node_id, **detail)
+        )
 
     async def _flush_forever(self) -> None:
         while True:
@@ -439,14 +559,20 @@ class CacheShard:
         assert self._index is not None
         by_ds: dict[tuple[str, int], dict[str, dict[str, Any]]] = defaultdict(dict)
         for (ds, url), c in self._table.items():
-            by_ds[(ds, c.generation)][url] = {"etag": c.etag, "nbytes": c.nbytes,
-                                              "owner": self.node_id, "generation": c.generation}
+            by_ds[(ds, c.generation)][url] = {
+                "etag": c.etag,
+                "nbytes": c.nbytes,
+                "owner": self.node_id,
+                "generation": c.generation,
+            }
         for (ds, gen), entries in by_ds.items():
             if self._index.generation(ds) != gen:
                 continue
             await asyncio.to_thread(self._index.record_entries, ds, gen, entries)
             for url in entries:
-                await asyncio.to_thread(self._index.take_over, ds, gen, url, "", self.me)
+                await asyncio.to_thread(
+                    self._index.take_over, ds, gen, url, "", self.me
+                )
         self._index_dirty = False
 
 
@@ -459,6 +585,10 @@ def _ray_put(value: Any) -> Any:
 def _ray_peer(ns: str, node_id: str) -> Any:
     import ray
 
+    # A store pinned (soft=False) to a node that left the cluster can never be
+    # rescheduled: calling it would hang, so a dead node means "no peer".
+    if not any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes()):
+        return None
     try:
         return ray.get_actor(store_name(node_id), namespace=ray_namespace(ns))
     except ValueError:

@@ -18,7 +18,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "shardcache"
 K8S_VERSION = "1.33.0"
-CRD_KINDS = {"RayCluster", "ServiceMonitor"}  # validated by their operators, not core OpenAPI
+CRD_KINDS = {
+    "RayCluster",
+    "ServiceMonitor",
+}  # validated by their operators, not core OpenAPI
 
 helm = pytest.importorskip("helm_python")
 pytestmark = pytest.mark.helm
@@ -37,7 +40,12 @@ def render(values: dict[str, Any] | None = None) -> dict[str, list[dict[str, Any
 
 
 def objects(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    return [d for path, ds in render(values).items() if not path.endswith(".txt") for d in ds]
+    return [
+        d
+        for path, ds in render(values).items()
+        if not path.endswith(".txt")
+        for d in ds
+    ]
 
 
 def ci_values() -> list[Path]:
@@ -64,26 +72,37 @@ def test_chart_lint_has_no_errors():
 
 
 def test_values_schema_is_generated_from_values_yaml():
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_values_schema.py"), "--check"])
-    assert done.returncode == 0, "run scripts/gen_values_schema.py after editing values.yaml"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_values_schema.py"), "--check"]
+    )
+    assert done.returncode == 0, (
+        "run scripts/gen_values_schema.py after editing values.yaml"
+    )
 
 
-@pytest.mark.parametrize("values_file", [CHART / "values.yaml", *ci_values()], ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "values_file", [CHART / "values.yaml", *ci_values()], ids=lambda p: p.stem
+)
 def test_values_files_satisfy_schema(values_file):
     schema = json.loads((CHART / "values.schema.json").read_text())
     jsonschema.validate(yaml.safe_load(values_file.read_text()) or {}, schema)
 
 
-@pytest.mark.parametrize("bad,match", [
-    ({"cache": {"cacheBytes": -1}}, "cacheBytes"),
-    ({"ray": {"objectStoreBytes": -5}}, "objectStoreBytes"),
-    ({"cache": {"eviction": "fifo"}}, "eviction"),
-    ({"unknownKey": 1}, "unknownKey"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ({"cache": {"cacheBytes": -1}}, "cacheBytes"),
+        ({"ray": {"objectStoreBytes": -5}}, "objectStoreBytes"),
+        ({"cache": {"eviction": "fifo"}}, "eviction"),
+        ({"unknownKey": 1}, "unknownKey"),
+    ],
+)
 def test_values_schema_rejects_bad_values_with_readable_message(bad, match):
     with pytest.raises(Exception, match=match) as info:
         render(bad)
-    assert "values don't meet the specifications" in str(info.value) or match in str(info.value)
+    assert "values don't meet the specifications" in str(info.value) or match in str(
+        info.value
+    )
 
 
 def test_chart_validate_values_fails_once_with_all_messages():
@@ -95,16 +114,26 @@ def test_chart_validate_values_fails_once_with_all_messages():
 def test_every_object_has_standard_labels_and_pods_roll_on_config_change():
     for obj in objects():
         labels = obj["metadata"].get("labels", {})
-        for key in ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
-                    "app.kubernetes.io/component", "app.kubernetes.io/managed-by", "helm.sh/chart"):
+        for key in (
+            "app.kubernetes.io/name",
+            "app.kubernetes.io/instance",
+            "app.kubernetes.io/version",
+            "app.kubernetes.io/component",
+            "app.kubernetes.io/managed-by",
+            "helm.sh/chart",
+        ):
             assert key in labels, (obj["kind"], obj["metadata"]["name"], key)
         if obj["kind"] in ("Deployment", "DaemonSet"):
-            assert "checksum/config" in obj["spec"]["template"]["metadata"]["annotations"]
+            assert (
+                "checksum/config" in obj["spec"]["template"]["metadata"]["annotations"]
+            )
 
 
 def test_containers_run_non_root_with_read_only_root_fs():
     for obj in objects():
-        spec = obj.get("spec", {}).get("template", {}).get("spec") or (obj["spec"] if obj["kind"] == "Pod" else None)
+        spec = obj.get("spec", {}).get("template", {}).get("spec") or (
+            obj["spec"] if obj["kind"] == "Pod" else None
+        )
         if not spec:
             continue
         assert spec["securityContext"]["runAsNonRoot"] is True
@@ -114,10 +143,11 @@ def test_containers_run_non_root_with_read_only_root_fs():
 
 
 def test_chart_settings_match_python_config():
+    import typer.main
+
     from shardcache.config import ClientConfig
     from shardcache_server.cli import app
     from shardcache_server.settings import ServiceSettings
-    import typer.main
 
     known = {f"SHARDCACHE_{f.upper()}" for f in ServiceSettings.model_fields}
     known |= {f"SHARDCACHE_{f.upper()}" for f in ClientConfig.model_fields}
@@ -126,24 +156,32 @@ def test_chart_settings_match_python_config():
         for param in sub.params:
             if getattr(param, "envvar", None):
                 known.add(param.envvar)
-    known.add("SHARDCACHE_REDIS_PASSWORD")  # only composes SHARDCACHE_REDIS_URL in the chart
+    known.add(
+        "SHARDCACHE_REDIS_PASSWORD"
+    )  # only composes SHARDCACHE_REDIS_URL in the chart
     objs = objects()
     config = next(o for o in objs if o["kind"] == "ConfigMap")
     assert set(config["data"]) <= known
     assert config["data"]["SHARDCACHE_CACHE_BYTES"] == "8589934592"
-    ServiceSettings(**{k.removeprefix("SHARDCACHE_").lower(): v for k, v in config["data"].items()})
+    ServiceSettings(
+        **{k.removeprefix("SHARDCACHE_").lower(): v for k, v in config["data"].items()}
+    )
     used = set(re.findall(r"SHARDCACHE_[A-Z_]+", yaml.safe_dump_all(objs)))
     assert used <= known, used - known
     # CLI entrypoints named by the chart exist.
     commands = set(command.commands)  # type: ignore[attr-defined]
     for obj in objs:
-        spec = obj.get("spec", {}).get("template", {}).get("spec") or obj.get("spec", {})
+        spec = obj.get("spec", {}).get("template", {}).get("spec") or obj.get(
+            "spec", {}
+        )
         for c in spec.get("containers", []):
             cmd = c.get("command", [])
             if cmd and cmd[0] == "shardcache":
                 assert cmd[1] in commands, cmd
     # The Redis URL the chart composes is one the client accepts.
-    redis_env = [e for o in objs for e in _env(o) if e["name"] == "SHARDCACHE_REDIS_URL"]
+    redis_env = [
+        e for o in objs for e in _env(o) if e["name"] == "SHARDCACHE_REDIS_URL"
+    ]
     url = redis_env[0]["value"].replace("$(SHARDCACHE_REDIS_PASSWORD)", "pw")
     ClientConfig(redis_url=url)
 
@@ -155,9 +193,15 @@ def _env(obj: dict[str, Any]) -> list[dict[str, Any]]:
 
 def test_notes_tell_how_to_point_a_job_and_warn_without_token():
     notes = render()["shardcache/templates/NOTES.txt"][0]["NOTES"]
-    assert "SHARDCACHE_REDIS_URL" in notes and "port-forward" in notes and "RAY_AUTH_TOKEN" in notes
+    assert (
+        "SHARDCACHE_REDIS_URL" in notes
+        and "port-forward" in notes
+        and "RAY_AUTH_TOKEN" in notes
+    )
     assert "WARNING" in notes
-    with_token = render({"dashboard": {"tokenSecret": "t"}})["shardcache/templates/NOTES.txt"][0]["NOTES"]
+    with_token = render({"dashboard": {"tokenSecret": "t"}})[
+        "shardcache/templates/NOTES.txt"
+    ][0]["NOTES"]
     assert "WARNING" not in with_token
 
 
@@ -167,16 +211,32 @@ def test_kuberay_renders_raycluster_instead_of_daemonset_when_kuberay_enabled_se
 
 
 def test_external_redis_renders_no_statefulset_when_external_set():
-    objs = objects({"redis": {"enabled": False, "external": {"existingSecret": "team-redis"}}})
+    objs = objects(
+        {"redis": {"enabled": False, "external": {"existingSecret": "team-redis"}}}
+    )
     assert "StatefulSet" not in {o["kind"] for o in objs}
-    refs = [e["valueFrom"]["secretKeyRef"] for o in objs for e in _env(o) if "valueFrom" in e
-            and e["valueFrom"].get("secretKeyRef", {}).get("name") == "team-redis"]
+    refs = [
+        e["valueFrom"]["secretKeyRef"]
+        for o in objs
+        for e in _env(o)
+        if "valueFrom" in e
+        and e["valueFrom"].get("secretKeyRef", {}).get("name") == "team-redis"
+    ]
     assert refs and all(r["key"] == "redis-url" for r in refs)
 
 
 def test_network_policy_limits_ingress_to_own_pods_and_training_namespaces():
-    pols = [o for o in objects({"networkPolicy": {"trainingNamespaces": ["ml"]}}) if o["kind"] == "NetworkPolicy"]
-    assert {p["metadata"]["name"].rsplit("-", 1)[-1] for p in pols} >= {"redis", "shard", "dashboard", "head"}
+    pols = [
+        o
+        for o in objects({"networkPolicy": {"trainingNamespaces": ["ml"]}})
+        if o["kind"] == "NetworkPolicy"
+    ]
+    assert {p["metadata"]["name"].rsplit("-", 1)[-1] for p in pols} >= {
+        "redis",
+        "shard",
+        "dashboard",
+        "head",
+    }
     for p in pols:
         sources = p["spec"]["ingress"][0]["from"]
         assert any("namespaceSelector" in s for s in sources)
@@ -184,7 +244,9 @@ def test_network_policy_limits_ingress_to_own_pods_and_training_namespaces():
 
 def test_no_secret_in_values_or_manifests_in_plain_text():
     text = yaml.safe_dump_all(objects())
-    assert "AWS_SECRET_ACCESS_KEY:" not in text.replace("key: AWS_SECRET_ACCESS_KEY", "")
+    assert "AWS_SECRET_ACCESS_KEY:" not in text.replace(
+        "key: AWS_SECRET_ACCESS_KEY", ""
+    )
 
 
 def test_dockerfiles_pass_hadolint_and_copy_existing_paths():

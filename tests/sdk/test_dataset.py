@@ -8,24 +8,35 @@ import torch
 from torch.utils.data import DataLoader
 
 from shardcache import DistributedCachedDataset
-from shardcache.errors import ConfigError, EmptyDatasetError, PreprocessError, SourceNotFound, TransformError
+from shardcache.errors import (
+    ConfigError,
+    EmptyDatasetError,
+    PreprocessError,
+    SourceNotFound,
+    TransformError,
+)
 
 pytestmark = pytest.mark.slow
 
 
 def _objects(s3fs_client, bucket, count=24, prefix="d"):
-    payload = {f"{bucket}/{prefix}/{i:03d}.bin": bytes([i]) * (50 + i) for i in range(count)}
+    payload = {
+        f"{bucket}/{prefix}/{i:03d}.bin": bytes([i]) * (50 + i) for i in range(count)
+    }
     s3fs_client.pipe(payload)
     return payload
 
 
 def _ds(s3, bucket, redis_url, namespace, **kw):
     kw.setdefault("storage_options", s3.storage_options())
-    return DistributedCachedDataset(f"s3://{bucket}/d/", redis_url=redis_url, namespace=namespace, **kw)
+    return DistributedCachedDataset(
+        f"s3://{bucket}/d/", redis_url=redis_url, namespace=namespace, **kw
+    )
 
 
 def test_dataset_bytes_equal_direct_read_and_later_epochs_make_no_gets(
-        ray_cluster, s3, s3fs_client, bucket, redis_url, namespace):
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
     payload = _objects(s3fs_client, bucket)
     ds = _ds(s3, bucket, redis_url, namespace)
     assert len(ds) == 24 and len(ds.sampler) == 24
@@ -45,7 +56,8 @@ def test_dataset_bytes_equal_direct_read_and_later_epochs_make_no_gets(
 
 
 def test_dataset_invalidate_refetches_and_serves_new_content(
-        ray_cluster, s3, s3fs_client, bucket, redis_url, namespace):
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
     _objects(s3fs_client, bucket, count=6)
     ds = _ds(s3, bucket, redis_url, namespace, shuffle=False)
     first = [bytes(ds[i].numpy()) for i in range(6)]
@@ -62,16 +74,30 @@ def test_dataset_invalidate_refetches_and_serves_new_content(
 
 
 def test_dataset_preprocess_change_starts_new_generation(
-        ray_cluster, s3, s3fs_client, bucket, redis_url, namespace):
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
     _objects(s3fs_client, bucket, count=3)
-    a = _ds(s3, bucket, redis_url, namespace, preprocess=lambda b: np.frombuffer(b, np.uint8).copy())
+    a = _ds(
+        s3,
+        bucket,
+        redis_url,
+        namespace,
+        preprocess=lambda b: np.frombuffer(b, np.uint8).copy(),
+    )
     assert a.generation == 1 and a[0].shape[0] == 50
-    b = _ds(s3, bucket, redis_url, namespace, preprocess=lambda b: np.frombuffer(b, np.uint8)[:5].copy())
+    b = _ds(
+        s3,
+        bucket,
+        redis_url,
+        namespace,
+        preprocess=lambda b: np.frombuffer(b, np.uint8)[:5].copy(),
+    )
     assert b.generation == 2 and b[0].shape[0] == 5
 
 
 def test_dataset_resume_from_state_dict_continues_with_unseen(
-        ray_cluster, s3, s3fs_client, bucket, redis_url, namespace):
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
     _objects(s3fs_client, bucket)
     ds = _ds(s3, bucket, redis_url, namespace, seed=5)
     ds.set_epoch(1)
@@ -82,37 +108,64 @@ def test_dataset_resume_from_state_dict_continues_with_unseen(
     assert state["consumed"] == 8 and state["epoch"] == 1
     fresh = _ds(s3, bucket, redis_url, namespace, seed=5)
     fresh.load_state_dict(state)
-    rest = [bytes(t.numpy()) for batch in DataLoader(fresh, batch_size=4, sampler=fresh.sampler,
-                                                     collate_fn=list) for t in batch]
+    rest = [
+        bytes(t.numpy())
+        for batch in DataLoader(
+            fresh, batch_size=4, sampler=fresh.sampler, collate_fn=list
+        )
+        for t in batch
+    ]
     full = [bytes(ds[i].numpy()) for i in ds.sampler.order(1)]
     assert seen + rest == full
 
 
 def test_dataset_random_transform_sees_fresh_randomness_each_epoch(
-        ray_cluster, s3, s3fs_client, bucket, redis_url, namespace):
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
     _objects(s3fs_client, bucket, count=4)
-    ds = _ds(s3, bucket, redis_url, namespace, shuffle=False,
-             transform=lambda t: t.float() + torch.rand(1))
+    ds = _ds(
+        s3,
+        bucket,
+        redis_url,
+        namespace,
+        shuffle=False,
+        transform=lambda t: t.float() + torch.rand(1),
+    )
     epochs = [[float(ds[i][0]) for i in range(4)] for _ in range(2)]
     assert epochs[0] != epochs[1]
     assert float(ds[0][0]) != float(ds[0][0])
 
 
-def test_dataset_num_workers_attach_lazily(ray_cluster, s3, s3fs_client, bucket, redis_url, namespace):
+def test_dataset_num_workers_attach_lazily(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
     payload = _objects(s3fs_client, bucket, count=8)
     ds = _ds(s3, bucket, redis_url, namespace)
-    loader = DataLoader(ds, batch_size=4, sampler=ds.sampler, collate_fn=list, num_workers=2,
-                        multiprocessing_context="spawn")
+    loader = DataLoader(
+        ds,
+        batch_size=4,
+        sampler=ds.sampler,
+        collate_fn=list,
+        num_workers=2,
+        multiprocessing_context="spawn",
+    )
     got = sorted(bytes(t.numpy()) for batch in loader for t in batch)
     assert got == sorted(payload.values())
 
 
-@pytest.mark.parametrize("kw,match", [({"rank": 2, "world_size": 2}, "rank"),
-                                      ({"rank": 0, "world_size": 0}, "world_size"),
-                                      ({"shuffle": "maybe"}, "shuffle"),
-                                      ({"name": "bad:name"}, "name"),
-                                      ({"preprocess": "decode"}, "callable")])
-def test_dataset_bad_arguments_are_config_errors(s3, s3fs_client, bucket, redis_url, kw, match):
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"rank": 2, "world_size": 2}, "rank"),
+        ({"rank": 0, "world_size": 0}, "world_size"),
+        ({"shuffle": "maybe"}, "shuffle"),
+        ({"name": "bad:name"}, "name"),
+        ({"preprocess": "decode"}, "callable"),
+    ],
+)
+def test_dataset_bad_arguments_are_config_errors(
+    s3, s3fs_client, bucket, redis_url, kw, match
+):
     _objects(s3fs_client, bucket, count=2)
     with pytest.raises(ConfigError, match=match):
         _ds(s3, bucket, redis_url, "t", **kw)
@@ -122,12 +175,16 @@ def test_dataset_empty_or_missing_source(s3, s3fs_client, bucket, redis_url, tmp
     with pytest.raises(EmptyDatasetError):
         DistributedCachedDataset(str(tmp_path), redis_url=redis_url)
     with pytest.raises(SourceNotFound):
-        DistributedCachedDataset("s3://missing-bucket-q/x/", storage_options=s3.storage_options(),
-                                 redis_url=redis_url)
+        DistributedCachedDataset(
+            "s3://missing-bucket-q/x/",
+            storage_options=s3.storage_options(),
+            redis_url=redis_url,
+        )
 
 
 def test_dataset_preprocess_and_transform_errors_name_the_object(
-        ray_cluster, s3, s3fs_client, bucket, redis_url, namespace):
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
     _objects(s3fs_client, bucket, count=3)
 
     def explode(data: bytes):
@@ -136,7 +193,14 @@ def test_dataset_preprocess_and_transform_errors_name_the_object(
     ds = _ds(s3, bucket, redis_url, namespace, preprocess=explode, shuffle=False)
     with pytest.raises(PreprocessError, match=r"bad header.*|.*000\.bin"):
         ds[0]
-    ok = _ds(s3, bucket, redis_url, namespace, shuffle=False, name="other",
-             transform=lambda t: t.reshape(7, 7, 7))
+    ok = _ds(
+        s3,
+        bucket,
+        redis_url,
+        namespace,
+        shuffle=False,
+        name="other",
+        transform=lambda t: t.reshape(7, 7, 7),
+    )
     with pytest.raises(TransformError, match="000.bin"):
         ok[0]

@@ -21,7 +21,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_rank(rank, world, port, url, storage_options, redis_url, namespace, shuffle=True):
+def train_rank(
+    rank, world, port, url, storage_options, redis_url, namespace, shuffle=True
+):
     """One DDP rank: 3 epochs through DistributedCachedDataset with a gloo all-reduce per step."""
     import torch
     import torch.distributed as dist
@@ -29,10 +31,18 @@ def train_rank(rank, world, port, url, storage_options, redis_url, namespace, sh
 
     from shardcache import DistributedCachedDataset
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     try:
-        ds = DistributedCachedDataset(url, storage_options=storage_options, redis_url=redis_url,
-                                      namespace=namespace, shuffle=shuffle, seed=11)
+        ds = DistributedCachedDataset(
+            url,
+            storage_options=storage_options,
+            redis_url=redis_url,
+            namespace=namespace,
+            shuffle=shuffle,
+            seed=11,
+        )
         loader = DataLoader(ds, batch_size=4, sampler=ds.sampler, collate_fn=list)
         epochs = []
         for epoch in range(EPOCHS):
@@ -47,8 +57,14 @@ def train_rank(rank, world, port, url, storage_options, redis_url, namespace, sh
         locality = ds.cached_locality()
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         ds.close()
-        return {"rank": ds.rank, "world": ds.world_size, "epochs": epochs, "stats": stats,
-                "locality": locality, "node": node}
+        return {
+            "rank": ds.rank,
+            "world": ds.world_size,
+            "epochs": epochs,
+            "stats": stats,
+            "locality": locality,
+            "node": node,
+        }
     finally:
         dist.destroy_process_group()
 
@@ -66,17 +82,25 @@ def _data(s3fs_client, bucket, count=40):
 
 
 def test_ddp_ranks_on_two_nodes_read_stable_disjoint_local_shards(
-        ray_cluster, node_ids, s3, s3fs_client, bucket, redis_url, namespace):
+    ray_cluster, node_ids, s3, s3fs_client, bucket, redis_url, namespace
+):
     url = _data(s3fs_client, bucket)
     s3.reset_counts()
     port = _free_port()
     actors = [RankActor.options(resources={f"node{r}": 0.01}).remote() for r in (0, 1)]
-    results = ray.get([a.run.remote(r, 2, port, url, s3.storage_options(), redis_url, namespace)
-                       for r, a in enumerate(actors)], timeout=300)
+    results = ray.get(
+        [
+            a.run.remote(r, 2, port, url, s3.storage_options(), redis_url, namespace)
+            for r, a in enumerate(actors)
+        ],
+        timeout=300,
+    )
     shards = [set(res["epochs"][0]) for res in results]
     assert shards[0].isdisjoint(shards[1]) and shards[0] | shards[1] == set(range(40))
     for res in results:
-        assert all(set(e) == set(res["epochs"][0]) for e in res["epochs"])  # stable shard
+        assert all(
+            set(e) == set(res["epochs"][0]) for e in res["epochs"]
+        )  # stable shard
         assert res["epochs"][0] != res["epochs"][1]  # reshuffled within
         assert len(res["epochs"][0]) == 20
         # Each rank's shard is cached on its own node.
@@ -86,20 +110,41 @@ def test_ddp_ranks_on_two_nodes_read_stable_disjoint_local_shards(
 
 
 def test_ddp_global_shuffle_reads_across_nodes_once(
-        ray_cluster, s3, s3fs_client, bucket, redis_url, namespace):
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
     url = _data(s3fs_client, bucket, count=24)
     s3.reset_counts()
     port = _free_port()
     actors = [RankActor.options(resources={f"node{r}": 0.01}).remote() for r in (0, 1)]
-    results = ray.get([a.run.remote(r, 2, port, url, s3.storage_options(), redis_url, namespace,
-                                    shuffle="global") for r, a in enumerate(actors)], timeout=300)
+    results = ray.get(
+        [
+            a.run.remote(
+                r,
+                2,
+                port,
+                url,
+                s3.storage_options(),
+                redis_url,
+                namespace,
+                shuffle="global",
+            )
+            for r, a in enumerate(actors)
+        ],
+        timeout=300,
+    )
     for e in range(EPOCHS):
-        assert set(results[0]["epochs"][e]) | set(results[1]["epochs"][e]) == set(range(24))
-    assert set(results[0]["epochs"][0]) != set(results[0]["epochs"][1])  # global reshuffle
+        assert set(results[0]["epochs"][e]) | set(results[1]["epochs"][e]) == set(
+            range(24)
+        )
+    assert set(results[0]["epochs"][0]) != set(
+        results[0]["epochs"][1]
+    )  # global reshuffle
     assert s3.total_gets == 24
 
 
-def _spawned_rank(rank, world, port, address, url, storage_options, redis_url, namespace, out):
+def _spawned_rank(
+    rank, world, port, address, url, storage_options, redis_url, namespace, out
+):
     import ray as ray_mod
 
     ray_mod.init(address=address, log_to_driver=False, logging_level="WARNING")
@@ -107,7 +152,8 @@ def _spawned_rank(rank, world, port, address, url, storage_options, redis_url, n
 
 
 def test_torchrun_style_processes_attach_to_cluster(
-        ray_cluster, s3, s3fs_client, bucket, redis_url, namespace):
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
     import torch.multiprocessing as mp
 
     url = _data(s3fs_client, bucket, count=16)
@@ -115,9 +161,23 @@ def test_torchrun_style_processes_attach_to_cluster(
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_spawned_rank, args=(r, 2, port, ray_cluster.address, url,
-                                                      s3.storage_options(), redis_url, namespace, out))
-             for r in range(2)]
+    procs = [
+        ctx.Process(
+            target=_spawned_rank,
+            args=(
+                r,
+                2,
+                port,
+                ray_cluster.address,
+                url,
+                s3.storage_options(),
+                redis_url,
+                namespace,
+                out,
+            ),
+        )
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     results = sorted((out.get(timeout=240) for _ in procs), key=lambda r: r["rank"])

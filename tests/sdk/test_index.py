@@ -21,7 +21,9 @@ def test_index_register_new_fingerprint_starts_new_generation(index):
     assert index.register("ds", "s3://b/", "fp1", 3, 30) == 1
     assert index.register("ds", "s3://b/", "fp2", 3, 30) == 2
     record = index.dataset("ds")
-    assert record.fingerprint == "fp2" and record.generation == 2 and record.invalidated_at
+    assert (
+        record.fingerprint == "fp2" and record.generation == 2 and record.invalidated_at
+    )
     assert index.events()[0]["reason"] == "preprocess fingerprint changed"
 
 
@@ -30,7 +32,10 @@ def test_index_invalidate_bumps_generation_atomically_and_drops_entries(index):
     index.record_entries("ds", 1, {"s3://b/x": {"etag": "e1"}})
     index.claim_owners("ds", 1, ["s3://b/x"], "node/1")
     results: list[int] = []
-    threads = [threading.Thread(target=lambda: results.append(index.invalidate("ds"))) for _ in range(8)]
+    threads = [
+        threading.Thread(target=lambda: results.append(index.invalidate("ds")))
+        for _ in range(8)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -51,14 +56,18 @@ def test_index_invalidate_changed_drops_exactly_changed_keys(index):
 def test_index_claim_gives_one_owner_and_takeover_needs_expected_owner(index):
     assert index.claim_owners("ds", 1, ["k1", "k2"], "A/1") == ["A/1", "A/1"]
     assert index.claim_owners("ds", 1, ["k1", "k3"], "B/1") == ["A/1", "B/1"]
-    assert index.take_over("ds", 1, "k1", "X/9", "B/1") == "A/1"  # wrong expectation: no change
+    assert (
+        index.take_over("ds", 1, "k1", "X/9", "B/1") == "A/1"
+    )  # wrong expectation: no change
     assert index.take_over("ds", 1, "k1", "A/1", "B/1") == "B/1"
     assert index.release("ds", 1, ["k1", "k2"], "B/1") == 1
 
 
 def test_index_skips_malformed_entries_written_by_others(index, redis):
-    redis.hset(keys.entries_key(index.ns, "ds", 1), mapping={"good": json.dumps({"etag": "e"}),
-                                                             "bad": "{not json", "list": "[1]"})
+    redis.hset(
+        keys.entries_key(index.ns, "ds", 1),
+        mapping={"good": json.dumps({"etag": "e"}), "bad": "{not json", "list": "[1]"},
+    )
     assert index.entries("ds", 1) == {"good": {"etag": "e"}}
 
 

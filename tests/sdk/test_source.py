@@ -7,18 +7,34 @@ from shardcache.source import list_source
 
 
 def test_list_source_prefix_is_sorted_with_sizes_and_etags(s3, s3fs_client, bucket):
-    s3fs_client.pipe({f"{bucket}/train/b.bin": b"bb", f"{bucket}/train/a.bin": b"a",
-                      f"{bucket}/other/c.bin": b"ccc"})
+    s3fs_client.pipe(
+        {
+            f"{bucket}/train/b.bin": b"bb",
+            f"{bucket}/train/a.bin": b"a",
+            f"{bucket}/other/c.bin": b"ccc",
+        }
+    )
     s3.reset_counts()
     manifest = list_source(f"s3://{bucket}/train/", s3.storage_options())
-    assert [o.url for o in manifest.objects] == [f"s3://{bucket}/train/a.bin", f"s3://{bucket}/train/b.bin"]
+    assert [o.url for o in manifest.objects] == [
+        f"s3://{bucket}/train/a.bin",
+        f"s3://{bucket}/train/b.bin",
+    ]
     assert [o.size for o in manifest.objects] == [1, 2]
-    assert all(len(o.etag) == 32 for o in manifest.objects)  # S3 ETag = MD5 for simple PUTs
+    assert all(
+        len(o.etag) == 32 for o in manifest.objects
+    )  # S3 ETag = MD5 for simple PUTs
     assert s3.total_gets == 0  # one listing, no per-object GET or HEAD
 
 
 def test_list_source_glob_and_explicit_list(s3, s3fs_client, bucket):
-    s3fs_client.pipe({f"{bucket}/d/{i}.{ext}": b"x" * i for i in range(1, 4) for ext in ("jpg", "txt")})
+    s3fs_client.pipe(
+        {
+            f"{bucket}/d/{i}.{ext}": b"x" * i
+            for i in range(1, 4)
+            for ext in ("jpg", "txt")
+        }
+    )
     by_glob = list_source(f"s3://{bucket}/d/*.jpg", s3.storage_options())
     assert len(by_glob) == 3
     urls = [f"s3://{bucket}/d/3.txt", f"s3://{bucket}/d/1.txt"]
@@ -45,7 +61,9 @@ def test_list_source_empty_local_dir_is_empty_dataset(tmp_path):
 def test_list_source_missing_object_in_list(s3, s3fs_client, bucket):
     s3fs_client.pipe({f"{bucket}/d/a": b"a"})
     with pytest.raises(SourceNotFound, match="do not exist"):
-        list_source([f"s3://{bucket}/d/a", f"s3://{bucket}/d/zzz"], s3.storage_options())
+        list_source(
+            [f"s3://{bucket}/d/a", f"s3://{bucket}/d/zzz"], s3.storage_options()
+        )
 
 
 @pytest.mark.parametrize("url", ["ftp://host/data/", "http://x/y", "s3://b/../etc/"])

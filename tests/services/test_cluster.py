@@ -13,8 +13,6 @@ import pytest
 import ray
 import ray.cloudpickle
 
-from shardcache.client import CacheClient
-from shardcache.config import ClientConfig
 from shardcache.decoders import raw_bytes
 from shardcache.fingerprint import fingerprint
 from shardcache.index import RedisIndex
@@ -22,46 +20,45 @@ from shardcache.source import list_source
 from shardcache_server.cluster import ensure_stores, store_for_node
 from shardcache_server.settings import ServiceSettings
 
+from ray_helpers import Reader
+
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 pytestmark = pytest.mark.slow
 
 
-@ray.remote(num_cpus=0, max_concurrency=64)
-class Reader:
-    """A process on one node with many threads reading through the cache."""
-
-    def __init__(self, redis_url: str, namespace: str):
-        self.client = CacheClient(ClientConfig(redis_url=redis_url, namespace=namespace))
-
-    def register(self, spec, preprocess):
-        self.client.register(spec, preprocess)
-
-    def read(self, name, generation, items):
-        results = self.client.get_refs(name, generation, items)
-        values = ray.get([ref for _, ref in results])
-        return [status for status, _ in results], [bytes(v) for v in values]
-
-
 def _dataset(s3, s3fs_client, bucket, redis_url, namespace, count):
-    s3fs_client.pipe({f"{bucket}/d/{i:03d}.bin": f"object-{i}".encode() * 10 for i in range(count)})
+    s3fs_client.pipe(
+        {f"{bucket}/d/{i:03d}.bin": f"object-{i}".encode() * 10 for i in range(count)}
+    )
     manifest = list_source(f"s3://{bucket}/d/", s3.storage_options())
     index = RedisIndex.from_url(redis_url, namespace)
-    gen = index.register("ds", f"s3://{bucket}/d/", fingerprint(raw_bytes), len(manifest), 0)
-    spec = {"name": "ds", "protocol": "s3", "storage_options": s3.storage_options(),
-            "fingerprint": fingerprint(raw_bytes), "generation": gen}
+    gen = index.register(
+        "ds", f"s3://{bucket}/d/", fingerprint(raw_bytes), len(manifest), 0
+    )
+    spec = {
+        "name": "ds",
+        "protocol": "s3",
+        "storage_options": s3.storage_options(),
+        "fingerprint": fingerprint(raw_bytes),
+        "generation": gen,
+    }
     items = [(o.url, o.etag, o.size) for o in manifest.objects]
     return index, spec, items
 
 
 def _readers(redis_url, namespace, spec):
-    readers = [Reader.options(resources={f"node{i}": 0.01}).remote(redis_url, namespace) for i in (0, 1)]
+    readers = [
+        Reader.options(resources={f"node{i}": 0.01}).remote(redis_url, namespace)
+        for i in (0, 1)
+    ]
     ray.get([r.register.remote(spec, raw_bytes) for r in readers])
     return readers
 
 
 def test_pull_once_64_concurrent_readers_on_2_nodes_make_exactly_100_gets(
-        ray_cluster, node_ids, s3, s3fs_client, bucket, redis_url, namespace):
+    ray_cluster, node_ids, s3, s3fs_client, bucket, redis_url, namespace
+):
     index, spec, items = _dataset(s3, s3fs_client, bucket, redis_url, namespace, 100)
     readers = _readers(redis_url, namespace, spec)
     s3.reset_counts()
@@ -72,11 +69,14 @@ def test_pull_once_64_concurrent_readers_on_2_nodes_make_exactly_100_gets(
     expected = [f"object-{i}".encode() * 10 for i in range(100)]
     assert all(values == expected for _, values in outputs)
     owners = index.owners("ds", 1)
-    assert len(owners) == 100 and {o.split("/")[0] for o in owners.values()} <= set(node_ids)
+    assert len(owners) == 100 and {o.split("/")[0] for o in owners.values()} <= set(
+        node_ids
+    )
 
 
 def test_second_job_in_new_process_reuses_cache_with_zero_reads(
-        ray_cluster, s3, s3fs_client, bucket, redis_url, namespace):
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
     index, spec, items = _dataset(s3, s3fs_client, bucket, redis_url, namespace, 20)
     readers = _readers(redis_url, namespace, spec)
     ray.get(readers[0].read.remote("ds", 1, items))
@@ -92,14 +92,21 @@ def test_second_job_in_new_process_reuses_cache_with_zero_reads(
         results = client.get_refs("ds", 1, {items!r})
         print(sorted(set(s for s, _ in results)))
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=180
+    )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "['hit']" in out.stdout or "['hit', 'remote-hit']" in out.stdout or "['remote-hit']" in out.stdout
+    assert (
+        "['hit']" in out.stdout
+        or "['hit', 'remote-hit']" in out.stdout
+        or "['remote-hit']" in out.stdout
+    )
     assert s3.total_gets == 0
 
 
 def test_store_killed_and_restarted_still_serves_by_refetching(
-        ray_cluster, node_ids, s3, s3fs_client, bucket, redis_url, namespace):
+    ray_cluster, node_ids, s3, s3fs_client, bucket, redis_url, namespace
+):
     index, spec, items = _dataset(s3, s3fs_client, bucket, redis_url, namespace, 10)
     readers = _readers(redis_url, namespace, spec)
     ray.get(readers[1].read.remote("ds", 1, items))
@@ -116,13 +123,17 @@ def test_store_killed_and_restarted_still_serves_by_refetching(
     assert {o for o in index.owners("ds", 1).values()} == {after}
 
 
-def test_ensure_stores_pins_one_detached_store_per_node(ray_cluster, node_ids, redis_url, namespace):
+def test_ensure_stores_pins_one_detached_store_per_node(
+    ray_cluster, node_ids, redis_url, namespace
+):
     handles = ensure_stores(ServiceSettings(redis_url=redis_url, namespace=namespace))
     assert sorted(handles) == sorted(node_ids)
     infos = ray.get([h.info.remote() for h in handles.values()])
     assert sorted(i["node_id"] for i in infos) == sorted(node_ids)
     again = ensure_stores(ServiceSettings(redis_url=redis_url, namespace=namespace))
-    assert {n: h._actor_id for n, h in again.items()} == {n: h._actor_id for n, h in handles.items()}
+    assert {n: h._actor_id for n, h in again.items()} == {
+        n: h._actor_id for n, h in handles.items()
+    }
 
 
 _ = (np, ThreadPoolExecutor)

@@ -28,9 +28,16 @@ def filled(s3, s3fs_client, bucket, redis_url):
     manifest = list_source(f"s3://{bucket}/d/", s3.storage_options())
     ns = f"t{uuid.uuid4().hex[:8]}"
     index = RedisIndex.from_url(redis_url, ns)
-    gen = index.register("images", f"s3://{bucket}/d/", fingerprint(raw_bytes), len(manifest), 512)
-    spec = {"name": "images", "protocol": "s3", "storage_options": s3.storage_options(),
-            "fingerprint": fingerprint(raw_bytes), "generation": gen}
+    gen = index.register(
+        "images", f"s3://{bucket}/d/", fingerprint(raw_bytes), len(manifest), 512
+    )
+    spec = {
+        "name": "images",
+        "protocol": "s3",
+        "storage_options": s3.storage_options(),
+        "fingerprint": fingerprint(raw_bytes),
+        "generation": gen,
+    }
     items = [(o.url, o.etag, o.size) for o in manifest.objects]
     cfg = ServiceSettings(redis_url=redis_url, namespace=ns, stats_flush_s=0.05)
 
@@ -43,10 +50,30 @@ def filled(s3, s3fs_client, bucket, redis_url):
         await shard.close()
 
     asyncio.run(run())
-    index.record_rank("images", "job1", 0, {"hits": 16, "misses": 8, "wait_p50_ms": 1.0,
-                                            "wait_p99_ms": 2.0, "generation": 1})
-    index.record_rank("images", "job1", 1, {"hits": 16, "misses": 8, "wait_p50_ms": 1.1,
-                                            "wait_p99_ms": 9.0, "generation": 1})
+    index.record_rank(
+        "images",
+        "job1",
+        0,
+        {
+            "hits": 16,
+            "misses": 8,
+            "wait_p50_ms": 1.0,
+            "wait_p99_ms": 2.0,
+            "generation": 1,
+        },
+    )
+    index.record_rank(
+        "images",
+        "job1",
+        1,
+        {
+            "hits": 16,
+            "misses": 8,
+            "wait_p50_ms": 1.1,
+            "wait_p99_ms": 9.0,
+            "generation": 1,
+        },
+    )
     return ns, index
 
 
@@ -59,7 +86,9 @@ def test_dashboard_overview_matches_redis(filled, redis_url):
     assert ds["hit_rate"] == pytest.approx(16 / 24) == index.stats("images").hit_rate
     assert ds["objects_cached"] == 8 and ds["gets_saved"] == 16
     assert body["nodes"][0]["node"] == "node-a" and body["nodes"][0]["entries"] == 8
-    assert redis_url.split("@")[0].split(":")[-1] not in client.get("/api/overview").text
+    assert (
+        redis_url.split("@")[0].split(":")[-1] not in client.get("/api/overview").text
+    )
 
 
 def test_dashboard_series_chart_ranks_events_metrics(filled, redis_url):
@@ -82,7 +111,12 @@ def test_dashboard_bearer_token_required_when_set(filled, redis_url):
     ns, _ = filled
     client = TestClient(create_app(redis_url, ns, token="s3cret"))
     assert client.get("/api/overview").status_code == 401
-    assert client.get("/api/overview", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert (
+        client.get(
+            "/api/overview", headers={"Authorization": "Bearer s3cret"}
+        ).status_code
+        == 200
+    )
     assert client.get("/healthz").status_code == 200
 
 
@@ -100,17 +134,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_dashboard_page_in_headless_chromium_shows_redis_hit_rate(filled, redis_url, tmp_path):
+def test_dashboard_page_in_headless_chromium_shows_redis_hit_rate(
+    filled, redis_url, tmp_path
+):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
-        pytest.skip("no Chromium: scripts/test.sh installs Debian's chromium when it can (root + apt)")
+        pytest.skip(
+            "no Chromium: scripts/test.sh installs Debian's chromium when it can (root + apt)"
+        )
     playwright = pytest.importorskip("playwright.sync_api")
     import uvicorn
 
     ns, index = filled
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(redis_url, ns), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(redis_url, ns), host="127.0.0.1", port=port, log_level="warning"
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -118,9 +159,18 @@ def test_dashboard_page_in_headless_chromium_shows_redis_hit_rate(filled, redis_
         time.sleep(0.05)
     try:
         with playwright.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=chromium, headless=True, args=[
-                "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--no-first-run"])
+            browser = p.chromium.launch(
+                executable_path=chromium,
+                headless=True,
+                args=[
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--disable-background-networking",
+                    "--disable-component-update",
+                    "--disable-sync",
+                    "--no-first-run",
+                ],
+            )
             page = browser.new_page()
             page.goto(f"http://127.0.0.1:{port}/")
             page.wait_for_selector("body[data-loaded='1']", timeout=20000)

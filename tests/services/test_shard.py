@@ -18,15 +18,39 @@ from shardcache_server.settings import ServiceSettings
 from shardcache_server.shard import CacheShard
 
 
-def _setup(s3, s3fs_client, bucket, redis_url, count=10, nbytes=100, preprocess=raw_bytes, **settings):
-    s3fs_client.pipe({f"{bucket}/d/{i:03d}.bin": bytes([i]) * nbytes for i in range(count)})
+def _setup(
+    s3,
+    s3fs_client,
+    bucket,
+    redis_url,
+    count=10,
+    nbytes=100,
+    preprocess=raw_bytes,
+    **settings,
+):
+    s3fs_client.pipe(
+        {f"{bucket}/d/{i:03d}.bin": bytes([i]) * nbytes for i in range(count)}
+    )
     manifest = list_source(f"s3://{bucket}/d/", s3.storage_options())
     ns = f"t{uuid.uuid4().hex[:8]}"
-    cfg = ServiceSettings(redis_url=redis_url, namespace=ns, stats_flush_s=0.05, backoff_s=0.01, **settings)
+    cfg = ServiceSettings(
+        redis_url=redis_url,
+        namespace=ns,
+        stats_flush_s=0.05,
+        backoff_s=0.01,
+        **settings,
+    )
     index = RedisIndex.from_url(redis_url, ns)
-    gen = index.register("ds", f"s3://{bucket}/d/", fingerprint(preprocess), len(manifest), 0)
-    spec = {"name": "ds", "protocol": "s3", "storage_options": s3.storage_options(),
-            "fingerprint": fingerprint(preprocess), "generation": gen}
+    gen = index.register(
+        "ds", f"s3://{bucket}/d/", fingerprint(preprocess), len(manifest), 0
+    )
+    spec = {
+        "name": "ds",
+        "protocol": "s3",
+        "storage_options": s3.storage_options(),
+        "fingerprint": fingerprint(preprocess),
+        "generation": gen,
+    }
     items = [(o.url, o.etag, o.size) for o in manifest.objects]
     return cfg, index, spec, items
 
@@ -35,7 +59,9 @@ def _run(coro):
     return asyncio.run(coro)
 
 
-def test_shard_fetches_once_then_hits_and_records_index(s3, s3fs_client, bucket, redis_url):
+def test_shard_fetches_once_then_hits_and_records_index(
+    s3, s3fs_client, bucket, redis_url
+):
     cfg, index, spec, items = _setup(s3, s3fs_client, bucket, redis_url)
 
     async def scenario():
@@ -50,7 +76,9 @@ def test_shard_fetches_once_then_hits_and_records_index(s3, s3fs_client, bucket,
 
     rounds, again = _run(scenario())
     assert s3.total_gets == 10
-    assert all(np.array_equal(r[1], np.full(100, i, np.uint8)) for i, r in enumerate(rounds[0]))
+    assert all(
+        np.array_equal(r[1], np.full(100, i, np.uint8)) for i, r in enumerate(rounds[0])
+    )
     assert {r[0] for r in again} == {"hit"}
     entries = index.entries("ds", 1)
     assert len(entries) == 10
@@ -61,13 +89,17 @@ def test_shard_fetches_once_then_hits_and_records_index(s3, s3fs_client, bucket,
     assert stats.remote_reads == 10 and stats.hits >= 10
 
 
-def test_shard_preprocess_error_names_key_and_spares_others(s3, s3fs_client, bucket, redis_url):
+def test_shard_preprocess_error_names_key_and_spares_others(
+    s3, s3fs_client, bucket, redis_url
+):
     def picky(data: bytes) -> np.ndarray:
         if data[0] == 3:
             raise ValueError("cannot decode")
         return np.frombuffer(data, np.uint8).copy()
 
-    cfg, index, spec, items = _setup(s3, s3fs_client, bucket, redis_url, preprocess=picky)
+    cfg, index, spec, items = _setup(
+        s3, s3fs_client, bucket, redis_url, preprocess=picky
+    )
 
     async def scenario():
         shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
@@ -85,15 +117,21 @@ def test_shard_preprocess_error_names_key_and_spares_others(s3, s3fs_client, buc
     assert all(r[0] == "fetched" for i, r in enumerate(out) if i != 3)
     assert info["entries"] == 9
     assert items[3][0] not in index.entries("ds", 1)
-    assert any(e["kind"] == "fetch_error" and e["key"] == items[3][0] for e in index.events())
+    assert any(
+        e["kind"] == "fetch_error" and e["key"] == items[3][0] for e in index.events()
+    )
 
 
 @pytest.mark.parametrize("returned", [b"bytes", [1, 2], np.array(["a"], dtype=object)])
-def test_shard_preprocess_returning_non_array_is_preprocess_error(s3, s3fs_client, bucket, redis_url, returned):
+def test_shard_preprocess_returning_non_array_is_preprocess_error(
+    s3, s3fs_client, bucket, redis_url, returned
+):
     def bad(data: bytes):
         return returned
 
-    cfg, _, spec, items = _setup(s3, s3fs_client, bucket, redis_url, count=1, preprocess=bad)
+    cfg, _, spec, items = _setup(
+        s3, s3fs_client, bucket, redis_url, count=1, preprocess=bad
+    )
 
     async def scenario():
         shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
@@ -103,10 +141,17 @@ def test_shard_preprocess_returning_non_array_is_preprocess_error(s3, s3fs_clien
         return out
 
     (res,) = _run(scenario())
-    assert res[0] == "error" and res[1] == "PreprocessError" and "numpy array" in res[2] or "object" in res[2]
+    assert (
+        res[0] == "error"
+        and res[1] == "PreprocessError"
+        and "numpy array" in res[2]
+        or "object" in res[2]
+    )
 
 
-def test_shard_invalidation_over_pubsub_frees_memory(s3, s3fs_client, bucket, redis_url):
+def test_shard_invalidation_over_pubsub_frees_memory(
+    s3, s3fs_client, bucket, redis_url
+):
     cfg, index, spec, items = _setup(s3, s3fs_client, bucket, redis_url)
 
     async def scenario():
@@ -125,15 +170,21 @@ def test_shard_invalidation_over_pubsub_frees_memory(s3, s3fs_client, bucket, re
         return before, after, stale
 
     before, after, stale = _run(scenario())
-    assert before == 1000 and after["used_bytes"] == 0 and after["generations"]["ds"] == 2
+    assert (
+        before == 1000 and after["used_bytes"] == 0 and after["generations"]["ds"] == 2
+    )
     assert stale[0][:2] == ("error", "StaleVersionError")
 
 
 @pytest.mark.parametrize("policy,expected_hits", [("lru", 0), ("static", 5)])
-def test_shard_eviction_hit_rate_under_cyclic_scan(s3, s3fs_client, bucket, redis_url, policy, expected_hits):
+def test_shard_eviction_hit_rate_under_cyclic_scan(
+    s3, s3fs_client, bucket, redis_url, policy, expected_hits
+):
     # 10 objects of 100 B, budget 500 B, read in the same order every epoch:
     # LRU always evicts what the next read needs (0 hits); static keeps half.
-    cfg, index, spec, items = _setup(s3, s3fs_client, bucket, redis_url, cache_bytes=500, eviction=policy)
+    cfg, index, spec, items = _setup(
+        s3, s3fs_client, bucket, redis_url, cache_bytes=500, eviction=policy
+    )
 
     async def scenario():
         shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
@@ -167,8 +218,12 @@ def test_shard_retries_transient_503_then_succeeds(s3, s3fs_client, bucket, redi
     assert [r[0] for r in out] == ["fetched"] * 4
 
 
-def test_shard_truncated_object_is_detected_not_cached(s3, s3fs_client, bucket, redis_url):
-    cfg, _, spec, items = _setup(s3, s3fs_client, bucket, redis_url, count=1, fetch_retries=1)
+def test_shard_truncated_object_is_detected_not_cached(
+    s3, s3fs_client, bucket, redis_url
+):
+    cfg, _, spec, items = _setup(
+        s3, s3fs_client, bucket, redis_url, count=1, fetch_retries=1
+    )
     s3.set_faults(FaultPlan(truncate_rate=1.0))
 
     async def scenario():
@@ -180,11 +235,15 @@ def test_shard_truncated_object_is_detected_not_cached(s3, s3fs_client, bucket, 
         return out, info
 
     (res,), info = _run(scenario())
-    assert res[0] == "error" and res[1] == "CorruptObjectError" and items[0][0] in res[2]
+    assert (
+        res[0] == "error" and res[1] == "CorruptObjectError" and items[0][0] in res[2]
+    )
     assert info["entries"] == 0
 
 
-def test_shard_object_deleted_upstream_is_source_not_found(s3, s3fs_client, bucket, redis_url):
+def test_shard_object_deleted_upstream_is_source_not_found(
+    s3, s3fs_client, bucket, redis_url
+):
     cfg, _, spec, items = _setup(s3, s3fs_client, bucket, redis_url, count=1)
     s3fs_client.rm(items[0][0])
 

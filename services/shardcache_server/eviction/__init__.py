@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from shardcache.errors import ConfigError
-
 from shardcache_server.eviction.base import EvictionPolicy
 from shardcache_server.eviction.lru import LRUPolicy
 from shardcache_server.eviction.static import StaticPolicy
@@ -23,5 +22,7 @@ def make_policy(name: str, budget_bytes: int) -> EvictionPolicy:
             "Set SHARDCACHE_EVICTION."
         ) from None
     if budget_bytes <= 0:
-        raise ConfigError(f"cache_bytes must be > 0, got {budget_bytes}. Set SHARDCACHE_CACHE_BYTES.")
+        raise ConfigError(
+            f"cache_bytes must be > 0, got {budget_bytes}. Set SHARDCACHE_CACHE_BYTES."
+        )
     return cls(budget_bytes)

@@ -1,0 +1,123 @@
+"""Faults with real components: a node leaves, Redis restarts, tenants share a Redis."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import ray
+
+from shardcache import DistributedCachedDataset
+from shardcache.decoders import raw_bytes
+from shardcache.embedded import free_port, start_redis_server
+from shardcache.fingerprint import fingerprint
+from shardcache.index import RedisIndex
+from shardcache.source import list_source
+
+from ray_helpers import Reader
+
+pytestmark = pytest.mark.slow
+
+
+def test_node_removed_keys_move_to_live_owner(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
+    s3fs_client.pipe({f"{bucket}/d/{i:02d}": f"v{i}".encode() * 8 for i in range(10)})
+    manifest = list_source(f"s3://{bucket}/d/", s3.storage_options())
+    index = RedisIndex.from_url(redis_url, namespace)
+    gen = index.register("ds", "x", fingerprint(raw_bytes), 10, 0)
+    spec = {
+        "name": "ds",
+        "protocol": "s3",
+        "storage_options": s3.storage_options(),
+        "fingerprint": fingerprint(raw_bytes),
+        "generation": gen,
+    }
+    items = [(o.url, o.etag, o.size) for o in manifest.objects]
+    extra = ray_cluster.add_node(
+        num_cpus=1,
+        object_store_memory=80 * 2**20,
+        node_ip_address="127.0.0.1",
+        resources={"node9": 1},
+    )
+    ray_cluster.wait_for_nodes()
+    doomed = Reader.options(resources={"node9": 0.01}).remote(redis_url, namespace)
+    ray.get(doomed.register.remote(spec, raw_bytes))
+    doomed_node = ray.get(doomed.node.remote())
+    ray.get(doomed.read.remote("ds", gen, items))
+    assert {o.split("/")[0] for o in index.owners("ds", gen).values()} == {doomed_node}
+    ray_cluster.remove_node(extra)
+    survivor = Reader.options(resources={"node0": 0.01}).remote(redis_url, namespace)
+    ray.get(survivor.register.remote(spec, raw_bytes))
+    s3.reset_counts()
+    statuses, values = ray.get(survivor.read.remote("ds", gen, items), timeout=120)
+    assert values == [f"v{i}".encode() * 8 for i in range(10)]
+    assert s3.total_gets == 10  # the lost node's entries were re-fetched once
+    live = ray.get(survivor.node.remote())
+    assert {o.split("/")[0] for o in index.owners("ds", gen).values()} == {live}
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    """A Redis of our own that the test may kill and restart on the same port."""
+    port, password = free_port(), "pw-" + uuid.uuid4().hex
+
+    def start():
+        return start_redis_server(tmp_path, port=port, password=password)
+
+    proc, url = start()
+    handle = {"proc": proc, "url": url, "start": start}
+    yield handle
+    handle["proc"].terminate()
+
+
+def test_redis_restart_reads_continue_and_index_recovers(
+    ray_cluster, s3, s3fs_client, bucket, private_redis, namespace
+):
+    s3fs_client.pipe({f"{bucket}/d/{i:02d}": bytes([i]) * 32 for i in range(12)})
+    ds = DistributedCachedDataset(
+        f"s3://{bucket}/d/",
+        storage_options=s3.storage_options(),
+        redis_url=private_redis["url"],
+        namespace=namespace,
+        shuffle=False,
+    )
+    expected = [bytes([i]) * 32 for i in range(12)]
+    assert [bytes(ds[i].numpy()) for i in range(12)] == expected
+    s3.reset_counts()
+    private_redis["proc"].terminate()
+    private_redis["proc"].wait(timeout=10)
+    # Redis is down: cached reads keep working, never blocking on the index.
+    started = time.monotonic()
+    assert [bytes(ds[i].numpy()) for i in range(12)] == expected
+    assert time.monotonic() - started < 30
+    assert ds.stats()["index_errors"] > 0 and s3.total_gets == 0
+    private_redis["proc"], _ = private_redis["start"]()  # empty: no persistence
+    assert [bytes(ds[i].numpy()) for i in range(12)] == expected
+    index = RedisIndex.from_url(private_redis["url"], namespace)
+    deadline = time.monotonic() + 20
+    while (
+        len(index.entries(ds.name, ds.generation)) < 12 and time.monotonic() < deadline
+    ):
+        time.sleep(0.2)
+    assert (
+        len(index.entries(ds.name, ds.generation)) == 12
+    )  # stores re-recorded their entries
+    generation = index.invalidate(ds.name)  # taken into account right away
+    assert [bytes(ds[i].numpy()) for i in range(12)] == expected
+    assert ds.generation == generation and s3.total_gets == 12
+
+
+def test_tenants_on_one_redis_cannot_see_or_invalidate_each_other(redis_url):
+    a = RedisIndex.from_url(redis_url, f"tenant-a-{uuid.uuid4().hex[:6]}")
+    b = RedisIndex.from_url(redis_url, f"tenant-b-{uuid.uuid4().hex[:6]}")
+    a.register("shared-name", "s3://a/", "fp", 1, 1)
+    b.register("shared-name", "s3://b/", "fp", 1, 1)
+    assert a.invalidate("shared-name") == 2
+    assert b.generation("shared-name") == 1
+    assert a.dataset("shared-name").source == "s3://a/"
+    assert all(
+        k.startswith(f"shardcache:{b.ns}:")
+        for k in b.client.scan_iter(f"shardcache:{b.ns}:*")
+    )
