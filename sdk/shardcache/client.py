@@ -8,7 +8,7 @@ from typing import Any
 
 from shardcache import errors
 from shardcache.config import ClientConfig
-from shardcache.errors import ShardCacheError, ShardUnavailable
+from shardcache.errors import ConfigError, ShardCacheError, ShardUnavailable
 from shardcache.index import RedisIndex
 
 __all__ = ["CacheClient", "DatasetSpec"]
@@ -19,6 +19,22 @@ _ERRORS: dict[str, type[ShardCacheError]] = {
 }
 
 DatasetSpec = dict[str, Any]  # name, protocol, storage_options, fingerprint, generation
+
+
+def _pickle_main_by_value(fn: Callable[..., Any]) -> None:
+    """Ship a preprocess defined in the job's script by value.
+
+    A function from ``__main__`` (or ``__mp_main__`` in a spawned rank) is
+    not importable on the stores; cloudpickle must carry its code along.
+    """
+    import sys
+
+    import ray.cloudpickle
+
+    target = getattr(fn, "func", fn)  # functools.partial
+    module = sys.modules.get(getattr(target, "__module__", "") or "")
+    if module is not None and module.__name__ in ("__main__", "__mp_main__"):
+        ray.cloudpickle.register_pickle_by_value(module)
 
 
 def raise_item_error(kind: str, message: str) -> None:
@@ -86,13 +102,23 @@ class CacheClient:
         import ray
 
         self.attach()
+        _pickle_main_by_value(preprocess)
         self._registered[spec["name"]] = (spec, preprocess)
-        self._call(
-            lambda: ray.get(
-                self._store.register.remote(spec, preprocess),
-                timeout=self.config.request_timeout_s,
+        try:
+            self._call(
+                lambda: ray.get(
+                    self._store.register.remote(spec, preprocess),
+                    timeout=self.config.request_timeout_s,
+                )
             )
-        )
+        except (ray.exceptions.RayTaskError, ray.exceptions.RaySystemError) as exc:
+            cause = str(exc).strip().splitlines()[-1]
+            raise ConfigError(
+                f"the cache stores could not load preprocess "
+                f"{getattr(preprocess, '__qualname__', preprocess)!r}: {cause}. Define it "
+                "at module level in an importable module (or in the script itself) and "
+                "make its imports available on the cluster."
+            ) from None
 
     def get_refs(
         self, name: str, generation: int, items: Sequence[tuple[str, str, int]]

@@ -9,6 +9,7 @@ another process: ``GET /_emulator/stats``, ``POST /_emulator/faults`` (JSON),
 from __future__ import annotations
 
 import json
+import math
 import random
 import threading
 import time
@@ -20,7 +21,7 @@ from urllib.parse import unquote
 
 from werkzeug.serving import BaseWSGIServer, make_server
 
-__all__ = ["FaultPlan", "S3Emulator"]
+__all__ = ["LATENCY_PROFILES", "FaultPlan", "S3Emulator"]
 
 Environ = dict[str, Any]
 StartResponse = Callable[..., Any]
@@ -35,6 +36,8 @@ class FaultPlan:
         error_status: 503 (SlowDown), 500 (InternalError).
         latency_s: added before the first byte of every GET.
         truncate_rate: share of GETs whose body is cut in half (corruption).
+        latency_median_s / latency_sigma: a seeded log-normal first-byte
+            latency (a long tail, like S3): median and shape.
         seed: the random stream deciding which requests fail.
     """
 
@@ -42,7 +45,17 @@ class FaultPlan:
     error_status: int = 503
     latency_s: float = 0.0
     truncate_rate: float = 0.0
+    latency_median_s: float = 0.0
+    latency_sigma: float = 0.0
     seed: int = 0
+
+
+LATENCY_PROFILES = {  # first-byte latency of common object stores, roughly
+    "none": FaultPlan(),
+    "s3-standard": FaultPlan(latency_median_s=0.030, latency_sigma=0.6),
+    "slow": FaultPlan(latency_median_s=0.100, latency_sigma=0.5),
+    "express": FaultPlan(latency_median_s=0.005, latency_sigma=0.4),
+}
 
 
 _ERROR_BODY = {
@@ -147,12 +160,15 @@ class S3Emulator:
                 plan = self.faults
                 roll = self._rng.random()
                 truncate = self._rng.random() < plan.truncate_rate
+                delay = plan.latency_s
+                if plan.latency_median_s:
+                    delay += self._rng.lognormvariate(math.log(plan.latency_median_s), plan.latency_sigma)
                 if is_object_get:
                     self.gets[unquote(path)] += 1
             if not is_object_get:
                 return app(environ, start_response)
-            if plan.latency_s:
-                time.sleep(plan.latency_s)
+            if delay:
+                time.sleep(delay)
             if roll < plan.error_rate:
                 body = _ERROR_BODY.get(plan.error_status, _ERROR_BODY[500])
                 start_response(
