@@ -24,7 +24,9 @@ def summarise(report: dict[str, Any]) -> dict[tuple[str, str], dict[str, list[fl
     by: dict[tuple[str, str, int, int], list[dict[str, Any]]] = defaultdict(list)
     for r in report["rows"]:
         by[(r["dataset"], r["system"], r["rep"], r["epoch"])].append(r)
-    out: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    out: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
     for (dataset, system, _rep, epoch), ranks in by.items():
         total = sum(r["samples"] for r in ranks) / max(r["seconds"] for r in ranks)
         per_rank = [r["samples_per_s"] for r in ranks]
@@ -42,32 +44,48 @@ def summarise(report: dict[str, Any]) -> dict[tuple[str, str], dict[str, list[fl
             m["spread"].append(max(means) / max(min(means), 1e-9))
             m["pss"].append(max(r["pss_mb"] for r in ranks))
             m["uss"].append(max(r["uss_mb"] for r in ranks))
-            m["memcpy_frac"].append(total * report["object_bytes"][dataset] / (report["memcpy_gbps"][dataset] * 1e9))
+            m["memcpy_frac"].append(
+                total
+                * report["object_bytes"][dataset]
+                / (report["memcpy_gbps"][dataset] * 1e9)
+            )
     return out
 
 
 def write_report(report: dict[str, Any], md_path: Path, png_path: Path) -> None:
     summary = summarise(report)
-    lines = ["# Benchmarks", "",
-             f"Measured {report['date']} with `{report['command']}` on {report['machine']['cpus']} CPUs "
-             f"({report['machine']['platform']}, Python {report['machine']['python']}). Storage: moto S3 "
-             f"behind the emulator's `{report['profile']}` latency model; GETs counted at the server. "
-             f"2 gloo ranks on one machine, step = 2 ms sleep + all-reduce. Medians over repetitions "
-             f"(min-max). memcpy of the same bytes: "
-             + ", ".join(f"{d} {g:.1f} GB/s" for d, g in report["memcpy_gbps"].items()) + ".", ""]
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Measured {report['date']} with `{report['command']}` on {report['machine']['cpus']} CPUs "
+        f"({report['machine']['platform']}, Python {report['machine']['python']}). Storage: moto S3 "
+        f"behind the emulator's `{report['profile']}` latency model; GETs counted at the server. "
+        f"2 gloo ranks on one machine, step = 2 ms sleep + all-reduce. Medians over repetitions "
+        f"(min-max). memcpy of the same bytes: "
+        + ", ".join(f"{d} {g:.1f} GB/s" for d, g in report["memcpy_gbps"].items())
+        + ".",
+        "",
+    ]
     for dataset in sorted({d for d, _ in summary}):
-        lines += [f"## {dataset} ({report['object_bytes'][dataset] / 1024:.0f} KB objects)", "",
-                  "| system | epoch-1 samples/s | warm samples/s | warm per rank | first batch s | GETs/object | "
-                  "warm p50 ms | warm p99 ms | rank spread | PSS MB/rank | USS MB/rank | warm / memcpy |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {dataset} ({report['object_bytes'][dataset] / 1024:.0f} KB objects)",
+            "",
+            "| system | epoch-1 samples/s | warm samples/s | warm per rank | first batch s | GETs/object | "
+            "warm p50 ms | warm p99 ms | rank spread | PSS MB/rank | USS MB/rank | warm / memcpy |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for (d, system), m in sorted(summary.items()):
             if d != dataset:
                 continue
-            lines.append(f"| {system} | {_med(m['cold_total_sps'])} | {_med(m['warm_total_sps'])} | "
-                         f"{_med(m['warm_rank_sps'])} | {_med(m['first_batch_s'])} | "
-                         f"{_med(m['gets_per_object'])} | {_med(m['p50'])} | {_med(m['p99'])} | "
-                         f"{_med(m['spread'])} | {_med(m['pss'])} | {_med(m['uss'])} | "
-                         f"{np.median(m['memcpy_frac']):.4f} |" if m["memcpy_frac"] else "| - |")
+            lines.append(
+                f"| {system} | {_med(m['cold_total_sps'])} | {_med(m['warm_total_sps'])} | "
+                f"{_med(m['warm_rank_sps'])} | {_med(m['first_batch_s'])} | "
+                f"{_med(m['gets_per_object'])} | {_med(m['p50'])} | {_med(m['p99'])} | "
+                f"{_med(m['spread'])} | {_med(m['pss'])} | {_med(m['uss'])} | "
+                f"{np.median(m['memcpy_frac']):.4f} |"
+                if m["memcpy_frac"]
+                else "| - |"
+            )
         lines.append("")
     md_path.write_text("\n".join(lines) + "\n" + _notes())
     try:
@@ -100,5 +118,8 @@ def _notes() -> str:
 
 if __name__ == "__main__":
     src = Path(sys.argv[1])
-    write_report(json.loads(src.read_text()), Path(__file__).resolve().parents[1] / "BENCHMARKS.md",
-                 src.with_suffix(".png"))
+    write_report(
+        json.loads(src.read_text()),
+        Path(__file__).resolve().parents[1] / "BENCHMARKS.md",
+        src.with_suffix(".png"),
+    )

@@ -64,14 +64,18 @@ def _pss_uss_mb(pids: list[int]) -> tuple[float, float]:
     return pss, uss
 
 
-def rank_main(system: str, rank: int, world: int, port: int, cfg: dict[str, Any], out: Any) -> None:
+def rank_main(
+    system: str, rank: int, world: int, port: int, cfg: dict[str, Any], out: Any
+) -> None:
     import psutil
     import torch
     import torch.distributed as dist
     from torch.utils.data import DataLoader, DistributedSampler
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     pre = PREPROCESS[cfg["dataset"]]
     urls, opts = cfg["urls"], cfg["storage_options"]
     workers = cfg["workers"]
@@ -82,10 +86,19 @@ def rank_main(system: str, rank: int, world: int, port: int, cfg: dict[str, Any]
         from shardcache import DistributedCachedDataset
 
         ray.init(address=cfg["ray_address"], log_to_driver=False, logging_level="ERROR")
-        ds = DistributedCachedDataset(cfg["prefix"], preprocess=pre, storage_options=opts,
-                                      redis_url=cfg["redis_url"], name=f"bench-{cfg['dataset']}",
-                                      namespace=cfg["namespace"], shuffle=True, seed=0)
-        loader = DataLoader(ds, batch_size=cfg["batch_size"], sampler=ds.sampler, collate_fn=collate)
+        ds = DistributedCachedDataset(
+            cfg["prefix"],
+            preprocess=pre,
+            storage_options=opts,
+            redis_url=cfg["redis_url"],
+            name=f"bench-{cfg['dataset']}",
+            namespace=cfg["namespace"],
+            shuffle=True,
+            seed=0,
+        )
+        loader = DataLoader(
+            ds, batch_size=cfg["batch_size"], sampler=ds.sampler, collate_fn=collate
+        )
         set_epoch = ds.set_epoch
     else:
         from systems import ManagerDictDataset, PlainS3Dataset, SimpleCacheDataset
@@ -93,15 +106,25 @@ def rank_main(system: str, rank: int, world: int, port: int, cfg: dict[str, Any]
         if system == "plain":
             ds = PlainS3Dataset(urls, opts, pre)
         elif system == "simplecache":
-            ds = SimpleCacheDataset(urls, opts, pre, cache_dir=f"{cfg['tmp']}/simplecache-node{rank}")
+            ds = SimpleCacheDataset(
+                urls, opts, pre, cache_dir=f"{cfg['tmp']}/simplecache-node{rank}"
+            )
         else:
             import multiprocessing as mp
 
             ds = ManagerDictDataset(urls, opts, pre, mp.Manager().dict())
-        sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0)
-        loader = DataLoader(ds, batch_size=cfg["batch_size"], sampler=sampler, collate_fn=collate,
-                            num_workers=workers, persistent_workers=workers > 0,
-                            multiprocessing_context="fork" if workers else None)
+        sampler = DistributedSampler(
+            ds, num_replicas=world, rank=rank, shuffle=True, seed=0
+        )
+        loader = DataLoader(
+            ds,
+            batch_size=cfg["batch_size"],
+            sampler=sampler,
+            collate_fn=collate,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            multiprocessing_context="fork" if workers else None,
+        )
         set_epoch = sampler.set_epoch
     me = psutil.Process()
     for epoch in range(cfg["epochs"]):
@@ -122,16 +145,30 @@ def rank_main(system: str, rank: int, world: int, port: int, cfg: dict[str, Any]
         pids = [me.pid] + [c.pid for c in me.children(recursive=True)]
         pss, uss = _pss_uss_mb(pids)
         w = np.asarray(waits) * 1000
-        out.put({"system": system, "rank": rank, "epoch": epoch, "samples": n, "seconds": elapsed,
-                 "samples_per_s": n / elapsed, "first_batch_s": first,
-                 "wait_p50_ms": float(np.percentile(w, 50)), "wait_p99_ms": float(np.percentile(w, 99)),
-                 "wait_mean_ms": float(w.mean()), "pss_mb": pss, "uss_mb": uss})
+        out.put(
+            {
+                "system": system,
+                "rank": rank,
+                "epoch": epoch,
+                "samples": n,
+                "seconds": elapsed,
+                "samples_per_s": n / elapsed,
+                "first_batch_s": first,
+                "wait_p50_ms": float(np.percentile(w, 50)),
+                "wait_p99_ms": float(np.percentile(w, 99)),
+                "wait_mean_ms": float(w.mean()),
+                "pss_mb": pss,
+                "uss_mb": uss,
+            }
+        )
         dist.barrier()
     dist.destroy_process_group()
 
 
 def memcpy_gbps(nbytes_per_sample: int, samples: int) -> float:
-    src = np.random.default_rng(0).integers(0, 255, nbytes_per_sample * samples, dtype=np.uint8)
+    src = np.random.default_rng(0).integers(
+        0, 255, nbytes_per_sample * samples, dtype=np.uint8
+    )
     dst = np.empty_like(src)
     best = float("inf")
     for _ in range(5):
@@ -150,8 +187,10 @@ def run_system(system: str, cfg: dict[str, Any], emulator: Any) -> list[dict[str
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=rank_main, args=(system, r, cfg["world"], port, cfg, out))
-             for r in range(cfg["world"])]
+    procs = [
+        ctx.Process(target=rank_main, args=(system, r, cfg["world"], port, cfg, out))
+        for r in range(cfg["world"])
+    ]
     for p in procs:
         p.start()
     rows: list[dict[str, Any]] = []
@@ -164,7 +203,9 @@ def run_system(system: str, cfg: dict[str, Any], emulator: Any) -> list[dict[str
             if failed or time.monotonic() > deadline:
                 for p in procs:
                     p.kill()
-                raise RuntimeError(f"{system}: a rank failed (exit codes {failed}); see stderr above")
+                raise RuntimeError(
+                    f"{system}: a rank failed (exit codes {failed}); see stderr above"
+                )
     for p in procs:
         p.join(timeout=120)
     gets = emulator.total_gets
@@ -174,13 +215,19 @@ def run_system(system: str, cfg: dict[str, Any], emulator: Any) -> list[dict[str
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="small smoke run")
     ap.add_argument("--images", type=int, default=1500)
     ap.add_argument("--blobs", type=int, default=4000)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
-    ap.add_argument("--profile", default="s3-standard", choices=["none", "s3-standard", "slow", "express"])
+    ap.add_argument(
+        "--profile",
+        default="s3-standard",
+        choices=["none", "s3-standard", "slow", "express"],
+    )
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     args = ap.parse_args()
     if args.quick:
@@ -199,13 +246,21 @@ def main() -> None:
     emulator = S3Emulator().start()
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **emulator.storage_options())
     fs.mkdir("bench")
-    print(f"generating {args.images} JPEGs (~100 KB) and {args.blobs} 4 KB blobs ...", flush=True)
+    print(
+        f"generating {args.images} JPEGs (~100 KB) and {args.blobs} 4 KB blobs ...",
+        flush=True,
+    )
     upload_images(fs, "bench/images", args.images, size=320, fmt="JPEG")
     upload_blobs(fs, "bench/blobs", args.blobs, 4096)
     sizes = {"images": fs.du("bench/images") / args.images, "blobs": 4096}
     emulator.set_faults(LATENCY_PROFILES[args.profile])
-    ray.init(num_cpus=2, object_store_memory=1024 * 2**20, include_dashboard=False,
-             log_to_driver=False, logging_level="ERROR")
+    ray.init(
+        num_cpus=2,
+        object_store_memory=1024 * 2**20,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="ERROR",
+    )
     results: list[dict[str, Any]] = []
     try:
         for rep in range(args.reps):
@@ -213,12 +268,24 @@ def main() -> None:
                 prefix = f"s3://bench/{dataset}/"
                 urls = sorted(f"s3://{p}" for p in fs.find(prefix))
                 for system in systems:  # interleaved: every system once per repetition
-                    cfg = {"dataset": dataset, "prefix": prefix, "urls": urls,
-                           "storage_options": emulator.storage_options(), "redis_url": redis_url,
-                           "namespace": f"bench{rep}", "ray_address": ray.get_runtime_context().gcs_address,
-                           "epochs": args.epochs, "world": 2, "batch_size": 32 if dataset == "images" else 128,
-                           "workers": 2, "step_ms": 2.0, "tmp": tmp}
-                    print(f"rep {rep} {dataset:6s} {system:12s} ...", end=" ", flush=True)
+                    cfg = {
+                        "dataset": dataset,
+                        "prefix": prefix,
+                        "urls": urls,
+                        "storage_options": emulator.storage_options(),
+                        "redis_url": redis_url,
+                        "namespace": f"bench{rep}",
+                        "ray_address": ray.get_runtime_context().gcs_address,
+                        "epochs": args.epochs,
+                        "world": 2,
+                        "batch_size": 32 if dataset == "images" else 128,
+                        "workers": 2,
+                        "step_ms": 2.0,
+                        "tmp": tmp,
+                    }
+                    print(
+                        f"rep {rep} {dataset:6s} {system:12s} ...", end=" ", flush=True
+                    )
                     t = time.perf_counter()
                     rows = run_system(system, cfg, emulator)
                     for r in rows:
@@ -230,17 +297,27 @@ def main() -> None:
         emulator.stop()
         redis_proc.terminate()
     memcpy = {d: memcpy_gbps(int(sizes[d]), 1000) for d in sizes}
-    report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(["scripts/bench.sh", *sys.argv[1:]]),
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                          "python": platform.python_version()},
-              "profile": args.profile, "object_bytes": sizes, "memcpy_gbps": memcpy, "rows": results}
+    report = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["scripts/bench.sh", *sys.argv[1:]]),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "profile": args.profile,
+        "object_bytes": sizes,
+        "memcpy_gbps": memcpy,
+        "rows": results,
+    }
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
     path = HERE / "results" / f"{stamp}.json"
     path.write_text(json.dumps(report, indent=1))
     from report import write_report
 
-    write_report(report, HERE.parent / "BENCHMARKS.md", HERE / "results" / f"{stamp}.png")
+    write_report(
+        report, HERE.parent / "BENCHMARKS.md", HERE / "results" / f"{stamp}.png"
+    )
     print(f"wrote {path} and BENCHMARKS.md")
 
 

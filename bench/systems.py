@@ -20,9 +20,18 @@ Preprocess = Callable[[bytes], np.ndarray]
 class PlainS3Dataset(Dataset[Any]):
     """What most people write: read the object through s3fs in __getitem__, every epoch."""
 
-    def __init__(self, urls: list[str], storage_options: dict[str, Any], preprocess: Preprocess,
-                 protocol_prefix: str = ""):
-        self.urls, self.storage_options, self.preprocess = urls, storage_options, preprocess
+    def __init__(
+        self,
+        urls: list[str],
+        storage_options: dict[str, Any],
+        preprocess: Preprocess,
+        protocol_prefix: str = "",
+    ):
+        self.urls, self.storage_options, self.preprocess = (
+            urls,
+            storage_options,
+            preprocess,
+        )
         self.prefix = protocol_prefix
         self._fs: Any = None
         self._pid = -1
@@ -31,7 +40,9 @@ class PlainS3Dataset(Dataset[Any]):
         if self._fs is None or self._pid != os.getpid():
             import fsspec
 
-            self._fs, _ = fsspec.url_to_fs(self.prefix + self.urls[0], **self.storage_options)
+            self._fs, _ = fsspec.url_to_fs(
+                self.prefix + self.urls[0], **self.storage_options
+            )
             self._pid = os.getpid()
         return self._fs
 
@@ -46,8 +57,13 @@ class PlainS3Dataset(Dataset[Any]):
 class SimpleCacheDataset(PlainS3Dataset):
     """fsspec's ``simplecache::`` (whole-file cache on this node's disk)."""
 
-    def __init__(self, urls: list[str], storage_options: dict[str, Any], preprocess: Preprocess,
-                 cache_dir: str):
+    def __init__(
+        self,
+        urls: list[str],
+        storage_options: dict[str, Any],
+        preprocess: Preprocess,
+        cache_dir: str,
+    ):
         opts = {"s3": storage_options, "simplecache": {"cache_storage": cache_dir}}
         super().__init__(urls, opts, preprocess, protocol_prefix="simplecache::")
 
@@ -55,8 +71,13 @@ class SimpleCacheDataset(PlainS3Dataset):
 class ManagerDictDataset(PlainS3Dataset):
     """The forum recipe: a multiprocessing Manager dict filled during epoch 1."""
 
-    def __init__(self, urls: list[str], storage_options: dict[str, Any], preprocess: Preprocess,
-                 shared: Any):
+    def __init__(
+        self,
+        urls: list[str],
+        storage_options: dict[str, Any],
+        preprocess: Preprocess,
+        shared: Any,
+    ):
         super().__init__(urls, storage_options, preprocess)
         self.shared = shared
 

@@ -280,7 +280,8 @@ class DistributedCachedDataset(Dataset[Any]):
                     -1
                 )  # force a re-read; never mix generations in a batch
         samples = [
-            self._apply_transform(i, _to_tensor(v)) for i, v in zip(indices, values, strict=False)
+            self._apply_transform(i, _to_tensor(v))
+            for i, v in zip(indices, values, strict=False)
         ]
         self._waits.record(time.perf_counter() - started)
         self._counts["samples"] += len(indices)
@@ -468,7 +469,9 @@ class DistributedCachedDataset(Dataset[Any]):
             )
         stale = {
             i
-            for i, (old, new) in enumerate(zip(self.manifest.objects, manifest.objects, strict=False))
+            for i, (old, new) in enumerate(
+                zip(self.manifest.objects, manifest.objects, strict=False)
+            )
             if old.etag != new.etag
         }
         self.manifest = manifest

@@ -331,7 +331,9 @@ class RedisIndex:
                     raw.update(
                         {
                             p: v
-                            for p, v in zip(chunk, self.client.hmget(key, chunk), strict=False)
+                            for p, v in zip(
+                                chunk, self.client.hmget(key, chunk), strict=False
+                            )
                             if v
                         }
                     )
@@ -431,25 +433,36 @@ class RedisIndex:
     # -- stats, stores, events ------------------------------------------------
     def flush_stats(
         self,
-        per_dataset: Mapping[str, Mapping[str, int]],
+        per_key: Mapping[tuple[str, int], Mapping[str, int]],
         node_id: str,
         now: float | None = None,
     ) -> None:
-        """Add counters for several datasets in one round trip."""
+        """Add counters, keyed by ``(dataset, generation)``, in one round trip."""
         bucket = int((now or time.time()) // SERIES_BUCKET_S * SERIES_BUCKET_S)
         pipe = self.client.pipeline(transaction=False)
-        for ds, counts in per_dataset.items():
-            for key in (
+        for (ds, generation), counts in per_key.items():
+            targets = (
                 keys.stats_key(self.ns, ds),
                 keys.stats_node_key(self.ns, ds, node_id),
+                keys.stats_generation_key(self.ns, ds, generation),
                 keys.stats_series_key(self.ns, ds, bucket),
-            ):
+            )
+            for key in targets:
                 for name, amount in counts.items():
                     if amount:
                         pipe.hincrby(key, name, amount)
             pipe.expire(keys.stats_series_key(self.ns, ds, bucket), SERIES_TTL_S)
         with self.errors():
             pipe.execute()
+
+    def generation_stats(self, name: str, generation: int) -> HitStats:
+        """Counters of one generation: what a version bump cost."""
+        with self.errors():
+            return HitStats.from_hash(
+                self.client.hgetall(
+                    keys.stats_generation_key(self.ns, name, generation)
+                )
+            )
 
     def stats(self, name: str) -> HitStats:
         with self.errors():
@@ -476,7 +489,9 @@ class RedisIndex:
             pipe.hgetall(keys.stats_series_key(self.ns, name, b))
         with self.errors():
             rows = pipe.execute()
-        return [(b, HitStats.from_hash(r)) for b, r in zip(buckets, rows, strict=False) if r]
+        return [
+            (b, HitStats.from_hash(r)) for b, r in zip(buckets, rows, strict=False) if r
+        ]
 
     def record_rank(
         self, name: str, job: str, rank: int, report: Mapping[str, Any]

@@ -15,6 +15,7 @@ key                                        type    content
 ``{p}:owners:{ds}:v{gen}``                 hash    object path -> ``node_id/incarnation``
 ``{p}:stats:{ds}``                         hash    cumulative counters
 ``{p}:stats:{ds}:node:{node}``             hash    counters of one node
+``{p}:stats:{ds}:gen:{gen}``               hash    counters of one generation (version cost)
 ``{p}:stats:{ds}:ts:{bucket}``             hash    counters of one time bucket (expire)
 ``{p}:ranks:{ds}``                         hash    ``job/rank`` -> JSON wait percentiles
 ``{p}:stores``                             hash    node_id -> JSON store heartbeat
@@ -38,6 +39,7 @@ __all__ = [
     "prefix",
     "ranks_key",
     "stats_key",
+    "stats_generation_key",
     "stats_node_key",
     "stats_series_key",
     "stores_key",
@@ -90,6 +92,10 @@ def stats_key(ns: str, ds: str) -> str:
 
 def stats_node_key(ns: str, ds: str, node_id: str) -> str:
     return f"{prefix(ns)}:stats:{ds}:node:{node_id}"
+
+
+def stats_generation_key(ns: str, ds: str, generation: int) -> str:
+    return f"{prefix(ns)}:stats:{ds}:gen:{generation}"
 
 
 def stats_series_key(ns: str, ds: str, bucket_s: int) -> str:

@@ -300,3 +300,7 @@ def local_stop() -> None:
 
 def main() -> None:  # pragma: no cover - console entry point
     sys.exit(app())
+
+
+if __name__ == "__main__":  # python -m shardcache_server.cli
+    app()

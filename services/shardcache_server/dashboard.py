@@ -22,13 +22,14 @@ from starlette.routing import Route
 
 from shardcache import keys
 from shardcache.errors import ConfigError, IndexUnavailable
-from shardcache.index import RedisIndex
+from shardcache.index import HitStats, RedisIndex
 from shardcache_server.charts import line_chart_svg
 
 __all__ = ["create_app", "dataset_overview", "serve"]
 
 DEFAULT_WINDOW_S = 3600  # the chart shows the last hour unless asked otherwise
 MAX_WINDOW_S = 2 * 24 * 3600  # as far back as the series is kept
+GENERATIONS_SHOWN = 5  # the cost of the last few version bumps
 _PAGE = (Path(__file__).parent / "static" / "dashboard.html").read_text
 
 
@@ -41,7 +42,14 @@ def dataset_overview(index: RedisIndex, name: str) -> dict[str, Any] | None:
     entries = index.entries(name, record.generation)
     cached_bytes = sum(int(e.get("size", 0)) for e in entries.values())
     served = stats.hits + stats.misses
+    generations = [
+        {"generation": g, **_counts(index.generation_stats(name, g))}
+        for g in range(
+            max(1, record.generation - GENERATIONS_SHOWN + 1), record.generation + 1
+        )
+    ]
     return {
+        "generations": generations,
         "name": name,
         "source": record.source,
         "generation": record.generation,
@@ -59,6 +67,16 @@ def dataset_overview(index: RedisIndex, name: str) -> dict[str, Any] | None:
         "gets_saved": max(served - stats.remote_reads, 0),
         "errors": stats.errors,
         "evictions": stats.evictions,
+    }
+
+
+def _counts(s: HitStats) -> dict[str, Any]:
+    return {
+        "hits": s.hits,
+        "misses": s.misses,
+        "remote_reads": s.remote_reads,
+        "hit_rate": s.hit_rate,
+        "bytes_read": s.bytes_read,
     }
 
 

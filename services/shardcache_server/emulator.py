@@ -162,7 +162,9 @@ class S3Emulator:
                 truncate = self._rng.random() < plan.truncate_rate
                 delay = plan.latency_s
                 if plan.latency_median_s:
-                    delay += self._rng.lognormvariate(math.log(plan.latency_median_s), plan.latency_sigma)
+                    delay += self._rng.lognormvariate(
+                        math.log(plan.latency_median_s), plan.latency_sigma
+                    )
                 if is_object_get:
                     self.gets[unquote(path)] += 1
             if not is_object_get:

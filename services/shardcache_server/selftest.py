@@ -35,6 +35,7 @@ def run_selftest(
     from shardcache.config import ClientConfig
     from shardcache.embedded import attach_ray
     from shardcache.index import RedisIndex
+    from shardcache.source import list_source
     from shardcache_server.datagen import upload_blobs
     from shardcache_server.emulator import S3Emulator
     from shardcache_server.warm import warm_dataset
@@ -68,9 +69,9 @@ def run_selftest(
         )
         attach_ray(ray_address)
         client = CacheClient(ClientConfig(redis_url=index.url, namespace=namespace))
-        results = client.get_refs(
-            "selftest", summary["generation"], [(o, e, s) for o, e, s in _items(fs)]
-        )
+        listed = list_source("s3://selftest/d/", emulator.storage_options()).objects
+        items = [(o.url, o.etag, o.size) for o in listed]
+        results = client.get_refs("selftest", summary["generation"], items)
         ray.get([ref for _, ref in results])
         statuses = {s for s, _ in results}
         if statuses - {"hit", "remote-hit"}:
@@ -80,17 +81,3 @@ def run_selftest(
         console.print(f"cache: {SELFTEST_OBJECTS} objects warmed and read back as hits")
     finally:
         emulator.stop()
-
-
-def _items(fs: object) -> list[tuple[str, str, int]]:
-    from shardcache.source import list_source
-
-    options = {
-        "key": fs.key,
-        "secret": fs.secret,  # type: ignore[attr-defined]
-        "client_kwargs": fs.client_kwargs,
-    }  # type: ignore[attr-defined]
-    return [
-        (o.url, o.etag, o.size)
-        for o in list_source("s3://selftest/d/", options).objects
-    ]

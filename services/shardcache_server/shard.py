@@ -116,6 +116,8 @@ class CacheShard:
         self._index = RedisIndex.from_url(
             self.settings.redis_url, self.settings.namespace
         )
+        # A new incarnation means the previous one (if any) lost its cache.
+        self._event("store_start", "", incarnation=self.incarnation)
         self._tasks.append(self._loop.create_task(self._flush_forever()))
         threading.Thread(
             target=self._listen_forever, name="invalidations", daemon=True
@@ -201,8 +203,10 @@ class CacheShard:
                 self._policy.touch((dataset, url))
                 results[i] = ("hit", cached.ref)
                 if not forwarded:
-                    self._stats.add(dataset, "hits")
-                    self._stats.add(dataset, "bytes_served", cached.nbytes)
+                    self._stats.add((dataset, generation), "hits")
+                    self._stats.add(
+                        (dataset, generation), "bytes_served", cached.nbytes
+                    )
                 continue
             key = (dataset, generation, url, etag)
             fut = self._inflight.get(key)
@@ -219,7 +223,10 @@ class CacheShard:
             res = await asyncio.shield(fut)
             results[i] = res
             if not forwarded and res[0] != "error":
-                self._stats.add(dataset, "hits" if res[0] == "remote-hit" else "misses")
+                self._stats.add(
+                    (dataset, generation),
+                    "hits" if res[0] == "remote-hit" else "misses",
+                )
         return [r for r in results if r is not None]
 
     async def drop(self, dataset: str, urls: list[str] | None = None) -> int:
@@ -362,14 +369,14 @@ class CacheShard:
         started = time.perf_counter()
         try:
             data = await ds.fetcher.fetch(url, size, etag)
-            self._stats.add(ds.name, "remote_reads")
-            self._stats.add(ds.name, "bytes_read", len(data))
+            self._stats.add((ds.name, generation), "remote_reads")
+            self._stats.add((ds.name, generation), "bytes_read", len(data))
             loop = asyncio.get_running_loop()
             value, ref = await loop.run_in_executor(
                 self._pool, self._process, ds, data, url
             )
         except ShardCacheError as exc:
-            self._stats.add(ds.name, "errors")
+            self._stats.add((ds.name, generation), "errors")
             await self._forget_claim(ds.name, generation, [url])
             self._event(
                 "fetch_error",
@@ -381,7 +388,9 @@ class CacheShard:
             self._settle(key, ("error", type(exc).__name__, str(exc)))
             return
         self._stats.add(
-            ds.name, "fetch_ms_total", int((time.perf_counter() - started) * 1000)
+            (ds.name, generation),
+            "fetch_ms_total",
+            int((time.perf_counter() - started) * 1000),
         )
         meta = describe(value)
         if self._generation[ds.name] == generation:
@@ -405,9 +414,9 @@ class CacheShard:
         admitted, evicted = self._policy.admit((dataset, url), meta["nbytes"])
         for victim in evicted:
             self._drop_entry(victim)
-        self._stats.add(dataset, "evictions", len(evicted))
+        self._stats.add((dataset, generation), "evictions", len(evicted))
         if not admitted:
-            self._stats.add(dataset, "uncached")
+            self._stats.add((dataset, generation), "uncached")
             return
         self._table[(dataset, url)] = _Cached(ref, etag, generation, meta["nbytes"])
         entry = {

@@ -72,11 +72,13 @@ def test_index_skips_malformed_entries_written_by_others(index, redis):
 
 
 def test_index_stats_series_and_ranks_roundtrip(index):
-    index.flush_stats({"ds": {"hits": 3, "misses": 1}}, "node-a", now=1000.0)
-    index.flush_stats({"ds": {"hits": 1}}, "node-b", now=1011.0)
+    index.flush_stats({("ds", 1): {"hits": 3, "misses": 1}}, "node-a", now=1000.0)
+    index.flush_stats({("ds", 2): {"hits": 1}}, "node-b", now=1011.0)
     stats = index.stats("ds")
     assert (stats.hits, stats.misses, stats.hit_rate) == (4, 1, 0.8)
     assert index.node_stats("ds", "node-a").hits == 3
+    assert index.generation_stats("ds", 1).misses == 1
+    assert index.generation_stats("ds", 2).hits == 1
     series = index.series("ds", window_s=60, now=1015.0)
     assert [(b, s.hits) for b, s in series] == [(1000, 3), (1010, 1)]
     index.record_rank("ds", "job", 1, {"wait_p99_ms": 2.5})

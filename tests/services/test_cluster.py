@@ -14,13 +14,10 @@ import ray
 import ray.cloudpickle
 
 from shardcache.decoders import raw_bytes
-from shardcache.fingerprint import fingerprint
-from shardcache.index import RedisIndex
-from shardcache.source import list_source
 from shardcache_server.cluster import ensure_stores, store_for_node
 from shardcache_server.settings import ServiceSettings
 
-from ray_helpers import Reader
+from helpers import Reader, register_dataset
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -31,20 +28,7 @@ def _dataset(s3, s3fs_client, bucket, redis_url, namespace, count):
     s3fs_client.pipe(
         {f"{bucket}/d/{i:03d}.bin": f"object-{i}".encode() * 10 for i in range(count)}
     )
-    manifest = list_source(f"s3://{bucket}/d/", s3.storage_options())
-    index = RedisIndex.from_url(redis_url, namespace)
-    gen = index.register(
-        "ds", f"s3://{bucket}/d/", fingerprint(raw_bytes), len(manifest), 0
-    )
-    spec = {
-        "name": "ds",
-        "protocol": "s3",
-        "storage_options": s3.storage_options(),
-        "fingerprint": fingerprint(raw_bytes),
-        "generation": gen,
-    }
-    items = [(o.url, o.etag, o.size) for o in manifest.objects]
-    return index, spec, items
+    return register_dataset(s3, f"s3://{bucket}/d/", redis_url, namespace)
 
 
 def _readers(redis_url, namespace, spec):

@@ -13,32 +13,22 @@ import pytest
 from starlette.testclient import TestClient
 
 from shardcache.decoders import raw_bytes
-from shardcache.fingerprint import fingerprint
-from shardcache.index import RedisIndex
-from shardcache.source import list_source
 from shardcache_server.dashboard import create_app
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.shard import CacheShard
+
+from helpers import register_dataset
 
 
 @pytest.fixture
 def filled(s3, s3fs_client, bucket, redis_url):
     """A namespace whose stats were written by a real CacheShard: 8 misses then 16 hits."""
     s3fs_client.pipe({f"{bucket}/d/{i}.bin": bytes([i]) * 64 for i in range(8)})
-    manifest = list_source(f"s3://{bucket}/d/", s3.storage_options())
     ns = f"t{uuid.uuid4().hex[:8]}"
-    index = RedisIndex.from_url(redis_url, ns)
-    gen = index.register(
-        "images", f"s3://{bucket}/d/", fingerprint(raw_bytes), len(manifest), 512
+    index, spec, items = register_dataset(
+        s3, f"s3://{bucket}/d/", redis_url, ns, name="images"
     )
-    spec = {
-        "name": "images",
-        "protocol": "s3",
-        "storage_options": s3.storage_options(),
-        "fingerprint": fingerprint(raw_bytes),
-        "generation": gen,
-    }
-    items = [(o.url, o.etag, o.size) for o in manifest.objects]
+    gen = spec["generation"]
     cfg = ServiceSettings(redis_url=redis_url, namespace=ns, stats_flush_s=0.05)
 
     async def run():
@@ -85,6 +75,10 @@ def test_dashboard_overview_matches_redis(filled, redis_url):
     assert (ds["hits"], ds["misses"], ds["remote_reads"]) == (16, 8, 8)
     assert ds["hit_rate"] == pytest.approx(16 / 24) == index.stats("images").hit_rate
     assert ds["objects_cached"] == 8 and ds["gets_saved"] == 16
+    assert (
+        ds["generations"][-1]["generation"] == 1
+        and ds["generations"][-1]["remote_reads"] == 8
+    )
     assert body["nodes"][0]["node"] == "node-a" and body["nodes"][0]["entries"] == 8
     assert (
         redis_url.split("@")[0].split(":")[-1] not in client.get("/api/overview").text
@@ -101,7 +95,8 @@ def test_dashboard_series_chart_ranks_events_metrics(filled, redis_url):
     ranks = client.get("/api/ranks/images").json()["ranks"]
     assert [r["straggler"] for r in ranks] == [False, True]
     index.invalidate("images")
-    assert client.get("/api/events").json()["events"][0]["kind"] == "invalidate"
+    kinds = [e["kind"] for e in client.get("/api/events").json()["events"]]
+    assert kinds[0] == "invalidate" and "store_start" in kinds
     metrics = client.get("/metrics").text
     assert 'shardcache_hits_total{dataset="images"} 16.0' in metrics
     assert 'shardcache_hit_rate{dataset="images"}' in metrics

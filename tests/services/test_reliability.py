@@ -11,11 +11,9 @@ import ray
 from shardcache import DistributedCachedDataset
 from shardcache.decoders import raw_bytes
 from shardcache.embedded import free_port, start_redis_server
-from shardcache.fingerprint import fingerprint
 from shardcache.index import RedisIndex
-from shardcache.source import list_source
 
-from ray_helpers import Reader
+from helpers import Reader, register_dataset
 
 pytestmark = pytest.mark.slow
 
@@ -24,17 +22,8 @@ def test_node_removed_keys_move_to_live_owner(
     ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
 ):
     s3fs_client.pipe({f"{bucket}/d/{i:02d}": f"v{i}".encode() * 8 for i in range(10)})
-    manifest = list_source(f"s3://{bucket}/d/", s3.storage_options())
-    index = RedisIndex.from_url(redis_url, namespace)
-    gen = index.register("ds", "x", fingerprint(raw_bytes), 10, 0)
-    spec = {
-        "name": "ds",
-        "protocol": "s3",
-        "storage_options": s3.storage_options(),
-        "fingerprint": fingerprint(raw_bytes),
-        "generation": gen,
-    }
-    items = [(o.url, o.etag, o.size) for o in manifest.objects]
+    index, spec, items = register_dataset(s3, f"s3://{bucket}/d/", redis_url, namespace)
+    gen = spec["generation"]
     extra = ray_cluster.add_node(
         num_cpus=1,
         object_store_memory=80 * 2**20,

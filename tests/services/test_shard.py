@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 
 from shardcache.decoders import raw_bytes
-from shardcache.fingerprint import fingerprint
-from shardcache.index import RedisIndex
-from shardcache.source import list_source
 from shardcache_server.emulator import FaultPlan
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.shard import CacheShard
+
+from helpers import register_dataset
 
 
 def _setup(
@@ -31,7 +30,6 @@ def _setup(
     s3fs_client.pipe(
         {f"{bucket}/d/{i:03d}.bin": bytes([i]) * nbytes for i in range(count)}
     )
-    manifest = list_source(f"s3://{bucket}/d/", s3.storage_options())
     ns = f"t{uuid.uuid4().hex[:8]}"
     cfg = ServiceSettings(
         redis_url=redis_url,
@@ -40,18 +38,9 @@ def _setup(
         backoff_s=0.01,
         **settings,
     )
-    index = RedisIndex.from_url(redis_url, ns)
-    gen = index.register(
-        "ds", f"s3://{bucket}/d/", fingerprint(preprocess), len(manifest), 0
+    index, spec, items = register_dataset(
+        s3, f"s3://{bucket}/d/", redis_url, ns, preprocess
     )
-    spec = {
-        "name": "ds",
-        "protocol": "s3",
-        "storage_options": s3.storage_options(),
-        "fingerprint": fingerprint(preprocess),
-        "generation": gen,
-    }
-    items = [(o.url, o.etag, o.size) for o in manifest.objects]
     return cfg, index, spec, items
 
 

@@ -1,0 +1,136 @@
+"""The shardcache command line against the real cluster, Redis and S3 emulator."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from shardcache.index import RedisIndex
+from shardcache_server.cli import app
+
+pytestmark = pytest.mark.slow
+
+
+def test_cli_warm_stats_ls_invalidate_roundtrip(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
+    s3fs_client.pipe({f"{bucket}/w/{i:02d}.bin": bytes([i]) * 100 for i in range(20)})
+    runner = CliRunner()
+    common = ["--redis-url", redis_url, "--namespace", namespace]
+    s3.reset_counts()
+    res = runner.invoke(
+        app,
+        [
+            "warm",
+            f"s3://{bucket}/w/",
+            "--name",
+            "warmed",
+            "--endpoint-url",
+            s3.endpoint_url,
+            "-o",
+            "key=testing",
+            "-o",
+            "secret=testing",
+            *common,
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    assert "20 objects, 20 fetched" in res.output and s3.total_gets == 20
+    again = runner.invoke(
+        app,
+        [
+            "warm",
+            f"s3://{bucket}/w/",
+            "--name",
+            "warmed",
+            "--endpoint-url",
+            s3.endpoint_url,
+            "-o",
+            "key=testing",
+            "-o",
+            "secret=testing",
+            *common,
+        ],
+    )
+    assert "20 already cached" in again.output and s3.total_gets == 20
+    owners = RedisIndex.from_url(redis_url, namespace).owners("warmed", 1)
+    assert (
+        len({o.split("/")[0] for o in owners.values()}) == 2
+    )  # spread over both nodes
+    stats = runner.invoke(app, ["stats", "warmed", *common])
+    assert stats.exit_code == 0 and "warmed" in stats.output
+    ls = runner.invoke(app, ["ls", *common])
+    assert ls.exit_code == 0 and re.search(r"warmed\s+│\s+1\s+│\s+20", ls.output)
+    inv = runner.invoke(app, ["invalidate", "warmed", *common])
+    assert inv.exit_code == 0 and "now generation 2" in inv.output
+    missing = runner.invoke(app, ["invalidate", "nope", *common])
+    assert missing.exit_code == 2 and "no dataset named 'nope'" in missing.output
+
+
+def test_cli_errors_are_one_line_without_traceback(s3, redis_url):
+    runner = CliRunner()
+    res = runner.invoke(
+        app,
+        [
+            "warm",
+            "s3://no-such-bucket-zz/x/",
+            "--endpoint-url",
+            s3.endpoint_url,
+            "--redis-url",
+            redis_url,
+        ],
+    )
+    assert res.exit_code == 2
+    assert "SourceNotFound" in res.output and "Traceback" not in res.output
+    bad = runner.invoke(app, ["stats", "--redis-url", "redis://:wrong@127.0.0.1:1/0"])
+    assert (
+        bad.exit_code == 2
+        and "IndexUnavailable" in bad.output
+        and "wrong" not in bad.output
+    )
+
+
+def test_cli_selftest_passes_against_running_cache(ray_cluster, redis_url, namespace):
+    runner = CliRunner()
+    res = runner.invoke(
+        app,
+        [
+            "selftest",
+            "--ray-address",
+            ray_cluster.address,
+            "--redis-url",
+            redis_url,
+            "--namespace",
+            namespace,
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    assert "read back as hits" in res.output
+
+
+def test_demo_main_job_runs_end_to_end(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardcache_server.cli",
+            "demo",
+            "--images",
+            "64",
+            "--epochs",
+            "2",
+            "--batch-size",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "zero remote reads" in done.stdout
+    assert "S3 GETs 64" in done.stdout and "S3 GETs 0" in done.stdout
