@@ -205,7 +205,7 @@ def run_system(system: str, cfg: dict[str, Any], emulator: Any) -> list[dict[str
                     p.kill()
                 raise RuntimeError(
                     f"{system}: a rank failed (exit codes {failed}); see stderr above"
-                )
+                ) from exc
     for p in procs:
         p.join(timeout=120)
     gets = emulator.total_gets
@@ -255,6 +255,7 @@ def main() -> None:
     sizes = {"images": fs.du("bench/images") / args.images, "blobs": 4096}
     emulator.set_faults(LATENCY_PROFILES[args.profile])
     ray.init(
+        address="local",  # always a private cluster, never a running one
         num_cpus=2,
         object_store_memory=1024 * 2**20,
         include_dashboard=False,
@@ -264,7 +265,7 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     try:
         for rep in range(args.reps):
-            for dataset, count in (("images", args.images), ("blobs", args.blobs)):
+            for dataset, _count in (("images", args.images), ("blobs", args.blobs)):
                 prefix = f"s3://bench/{dataset}/"
                 urls = sorted(f"s3://{p}" for p in fs.find(prefix))
                 for system in systems:  # interleaved: every system once per repetition
@@ -298,7 +299,7 @@ def main() -> None:
         redis_proc.terminate()
     memcpy = {d: memcpy_gbps(int(sizes[d]), 1000) for d in sizes}
     report = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["scripts/bench.sh", *sys.argv[1:]]),
         "machine": {
             "cpus": os.cpu_count(),
@@ -310,7 +311,7 @@ def main() -> None:
         "memcpy_gbps": memcpy,
         "rows": results,
     }
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
     path = HERE / "results" / f"{stamp}.json"
     path.write_text(json.dumps(report, indent=1))
     from report import write_report

@@ -13,5 +13,5 @@ fi
 from shardcache.embedded import find_redis_server
 print("redis-server:", find_redis_server())  # a setup error here, never a silent skip
 PY
-.venv/bin/ruff check sdk services tests scripts
+.venv/bin/ruff check sdk services tests scripts bench
 exec .venv/bin/python -m pytest --doctest-modules sdk services tests "$@"

@@ -187,6 +187,7 @@ def run_demo(
             else:
                 url, storage_options = source, {}
             ray.init(
+                address="local",  # always a private cluster, never a running one
                 num_cpus=max(2, ranks),
                 object_store_memory=DEMO_OBJECT_STORE_BYTES,
                 include_dashboard=False,
