@@ -198,7 +198,7 @@ def run_system(system: str, cfg: dict[str, Any], emulator: Any) -> list[dict[str
     while len(rows) < cfg["world"] * cfg["epochs"]:
         try:
             rows.append(out.get(timeout=5))
-        except queue.Empty:
+        except queue.Empty as exc:
             failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
             if failed or time.monotonic() > deadline:
                 for p in procs:
