@@ -11,6 +11,7 @@ __all__ = ["ClientConfig"]
 
 DEFAULT_PREFETCH_BATCHES = 4  # enough to hide one store round trip per batch
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # a cold batch may wait on slow object reads
+DEFAULT_HOLD_BYTES = 2 * 2**30  # zero-copy views a process keeps between batches
 
 
 class ClientConfig(BaseSettings):
@@ -29,6 +30,10 @@ class ClientConfig(BaseSettings):
             of the training loop. Defaults to ``4``.
         request_timeout_s: how long one batch may wait for the stores.
             Defaults to ``300``.
+        hold_bytes: how many bytes of cached samples a process keeps as
+            zero-copy views between batches (a warm batch then needs no Ray
+            call); past it samples are read through Ray every time, so the
+            stores' eviction stays in charge. Defaults to 2 GiB.
     """
 
     model_config = SettingsConfigDict(env_prefix="SHARDCACHE_", extra="ignore")
@@ -38,6 +43,7 @@ class ClientConfig(BaseSettings):
     namespace: str = DEFAULT_NAMESPACE
     prefetch_batches: int = Field(default=DEFAULT_PREFETCH_BATCHES, ge=0)
     request_timeout_s: float = Field(default=DEFAULT_REQUEST_TIMEOUT_S, gt=0)
+    hold_bytes: int = Field(default=DEFAULT_HOLD_BYTES, ge=0)
 
     @field_validator("namespace")
     @classmethod

@@ -55,6 +55,12 @@ def default_name(urls: str | Sequence[str]) -> str:
     return f"{words}-{hashlib.sha256(first.encode()).hexdigest()[:8]}"
 
 
+def _nbytes(value: Any) -> int:
+    if isinstance(value, dict):
+        return sum(int(v.nbytes) for v in value.values())
+    return int(value.nbytes)
+
+
 def _to_tensor(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: torch.from_numpy(v) for k, v in value.items()}
@@ -190,6 +196,9 @@ class DistributedCachedDataset(Dataset[Any]):
         self._pid = os.getpid()
         self._attached = False
         self._refs: dict[int, Any] = {}
+        self._values: dict[int, Any] = {}
+        self._held_bytes = 0
+        self._transient: set[int] = set()
         self._unread: set[int] = set()
         self._refs_generation = -1
         self._pending: dict[int, Future[None]] = {}
@@ -212,7 +221,16 @@ class DistributedCachedDataset(Dataset[Any]):
         # DataLoader workers get the small description, never the refs or locks:
         # each worker attaches lazily and the cache itself is not copied.
         state = self.__dict__.copy()
-        for k in ("_refs", "_unread", "_pending", "_prefetcher", "_lock", "_client"):
+        for k in (
+            "_refs",
+            "_values",
+            "_transient",
+            "_unread",
+            "_pending",
+            "_prefetcher",
+            "_lock",
+            "_client",
+        ):
             state.pop(k, None)
         return state
 
@@ -259,7 +277,6 @@ class DistributedCachedDataset(Dataset[Any]):
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Fetch a whole batch: one store call for its misses, one ``ray.get``."""
-        import ray
 
         started = time.perf_counter()
         self._attach()
@@ -267,11 +284,8 @@ class DistributedCachedDataset(Dataset[Any]):
         for attempt in range(3):
             generation = self._current_generation()
             try:
-                self._ensure_refs(indices, generation)
-                values = ray.get(
-                    [self._refs[i] for i in indices],
-                    timeout=self.config.request_timeout_s,
-                )
+                todo = [i for i in indices if i not in self._values]
+                got = dict(zip(todo, self._fetch_values(todo, generation), strict=True))
                 break
             except StaleVersionError:
                 if attempt == 2:
@@ -279,9 +293,15 @@ class DistributedCachedDataset(Dataset[Any]):
                 self.generation = (
                     -1
                 )  # force a re-read; never mix generations in a batch
+        for i in indices:
+            if i not in got:  # a value held since an earlier batch: no Ray call at all
+                self._counts["hits"] += 1
+                self._counts["bytes"] += self.manifest.objects[i].size
         samples = [
-            self._apply_transform(i, _to_tensor(v))
-            for i, v in zip(indices, values, strict=False)
+            self._apply_transform(
+                i, _to_tensor(got[i] if i in got else self._values[i])
+            )
+            for i in indices
         ]
         self._waits.record(time.perf_counter() - started)
         self._counts["samples"] += len(indices)
@@ -324,10 +344,44 @@ class DistributedCachedDataset(Dataset[Any]):
         if generation != self._refs_generation:
             with self._lock:
                 self._refs.clear()
+                self._values.clear()
+                self._held_bytes = 0
+                self._transient.clear()
                 self._unread.clear()
                 self._refs_generation = generation
         self.generation = generation
         return generation
+
+    def _fetch_values(self, indices: list[int], generation: int) -> list[Any]:
+        """Resolve and ``ray.get`` what this rank does not hold yet.
+
+        Values the store cached are kept as zero-copy views for the rest of
+        the generation, so a warm batch costs neither an actor call nor a
+        ``ray.get``; values the store did not cache (budget full) are used
+        once and dropped, so the store's eviction policy stays in charge.
+        """
+        import ray
+
+        if not indices:
+            return []
+        self._ensure_refs(indices, generation)
+        values = ray.get(
+            [self._refs[i] for i in indices], timeout=self.config.request_timeout_s
+        )
+        with self._lock:
+            if generation == self._refs_generation:
+                for i, v in zip(indices, values, strict=True):
+                    nbytes = _nbytes(v)
+                    if (
+                        i in self._transient
+                        or self._held_bytes + nbytes > self.config.hold_bytes
+                    ):
+                        self._transient.discard(i)
+                    else:
+                        self._values[i] = v
+                        self._held_bytes += nbytes
+                    self._refs.pop(i, None)
+        return values
 
     def _ensure_refs(self, indices: Sequence[int], generation: int) -> None:
         waiting = [
@@ -360,7 +414,9 @@ class DistributedCachedDataset(Dataset[Any]):
             for i, (status, ref) in zip(indices, results, strict=False):
                 self._refs[i] = ref
                 self._unread.add(i)
-                if status == "fetched":
+                if status == "uncached":
+                    self._transient.add(i)
+                if status in ("fetched", "uncached"):
                     self._counts["misses"] += 1
                     self._counts["remote_reads"] += 1
                 else:
@@ -379,7 +435,9 @@ class DistributedCachedDataset(Dataset[Any]):
         todo = [
             int(i)
             for i in window
-            if int(i) not in self._refs and int(i) not in self._pending
+            if int(i) not in self._values
+            and int(i) not in self._refs
+            and int(i) not in self._pending
         ]
         if not todo:
             return
@@ -478,6 +536,7 @@ class DistributedCachedDataset(Dataset[Any]):
         with self._lock:
             for i in stale:
                 self._refs.pop(i, None)
+                self._values.pop(i, None)
                 self._unread.discard(i)
         return self._client.index.invalidate_changed(
             self.name, self.generation, {o.url: o.etag for o in manifest.objects}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from shardcache.errors import ShardUnavailable
@@ -11,6 +12,7 @@ from shardcache_server.shard import ray_namespace, start_shard, store_name
 __all__ = ["alive_nodes", "ensure_stores", "kill_stores", "store_for_node"]
 
 STORE_START_TIMEOUT_S = 120.0  # a fresh worker process on a loaded 2-core node
+RESTART_POLL_S = 0.5  # how often to re-ping a store that Ray is restarting
 
 
 def alive_nodes() -> list[str]:
@@ -28,18 +30,30 @@ def ensure_stores(settings: ServiceSettings, *, wait: bool = True) -> dict[str, 
     import ray
 
     handles = {node: start_shard(settings, node) for node in alive_nodes()}
-    if wait:
+    if not wait:
+        return handles
+    deadline = time.monotonic() + STORE_START_TIMEOUT_S
+    pending = dict(handles)
+    while pending:
+        node, handle = next(iter(pending.items()))
         try:
-            ray.get(
-                [h.ping.remote() for h in handles.values()],
-                timeout=STORE_START_TIMEOUT_S,
-            )
+            ray.get(handle.ping.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+            del pending[node]
+        except ray.exceptions.ActorUnavailableError as exc:
+            # Restarting after a crash (max_restarts): wait for it, not fail.
+            if time.monotonic() > deadline:
+                raise _not_started(exc) from exc
+            time.sleep(RESTART_POLL_S)
         except ray.exceptions.RayError as exc:
-            raise ShardUnavailable(
-                f"cache stores did not start within {STORE_START_TIMEOUT_S:.0f}s: "
-                f"{type(exc).__name__}. Check `ray status` and the store logs."
-            ) from exc
+            raise _not_started(exc) from exc
     return handles
+
+
+def _not_started(exc: BaseException) -> ShardUnavailable:
+    return ShardUnavailable(
+        f"cache stores did not start within {STORE_START_TIMEOUT_S:.0f}s: "
+        f"{type(exc).__name__}. Check `ray status` and the store logs."
+    )
 
 
 def store_for_node(namespace: str, node_id: str) -> Any | None:

@@ -393,9 +393,12 @@ class CacheShard:
             int((time.perf_counter() - started) * 1000),
         )
         meta = describe(value)
-        if self._generation[ds.name] == generation:
-            self._admit(ds.name, generation, url, etag, ref, meta, data)
-        self._settle(key, ("fetched", ref))
+        admitted = self._generation[ds.name] == generation and self._admit(
+            ds.name, generation, url, etag, ref, meta, data
+        )
+        # "uncached" tells the reader not to hold on to the value: the budget is
+        # full (static policy, or an object larger than the whole budget).
+        self._settle(key, ("fetched" if admitted else "uncached", ref))
 
     def _process(self, ds: _Dataset, data: bytes, url: str) -> tuple[Any, Any]:
         value = run_preprocess(ds.preprocess, data, url)
@@ -410,14 +413,14 @@ class CacheShard:
         ref: Any,
         meta: dict[str, Any],
         data: bytes,
-    ) -> None:
+    ) -> bool:
         admitted, evicted = self._policy.admit((dataset, url), meta["nbytes"])
         for victim in evicted:
             self._drop_entry(victim)
         self._stats.add((dataset, generation), "evictions", len(evicted))
         if not admitted:
             self._stats.add((dataset, generation), "uncached")
-            return
+            return False
         self._table[(dataset, url)] = _Cached(ref, etag, generation, meta["nbytes"])
         entry = {
             "etag": etag,
@@ -440,6 +443,7 @@ class CacheShard:
                 ],
             )
         )
+        return True
 
     def _settle(self, key: tuple[str, int, str, str], result: Result) -> None:
         fut = self._inflight.pop(key, None)
