@@ -204,3 +204,26 @@ def test_dataset_preprocess_and_transform_errors_name_the_object(
     )
     with pytest.raises(TransformError, match="000.bin"):
         ok[0]
+
+
+def test_dataset_static_cache_at_half_the_dataset_keeps_hit_rate_at_half(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace, monkeypatch
+):
+    # The stores take their budget from the settings of the process that starts them.
+    monkeypatch.setenv("SHARDCACHE_CACHE_BYTES", "10000")
+    monkeypatch.setenv("SHARDCACHE_EVICTION", "static")
+    s3fs_client.pipe({f"{bucket}/d/{i:03d}.bin": bytes([i]) * 1000 for i in range(20)})
+    ds = _ds(s3, bucket, redis_url, namespace, shuffle=False)
+    s3.reset_counts()
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        before = ds.stats()
+        got = [bytes(ds[i].numpy()) for i in ds.sampler]
+        assert got == [bytes([i]) * 1000 for i in range(20)]
+        after = ds.stats()
+        if epoch:
+            # Samples the store could not cache are read through every time:
+            # the rank never pins more than the store's budget.
+            assert after["hits"] - before["hits"] == 10
+            assert after["remote_reads"] - before["remote_reads"] == 10
+    assert s3.total_gets == 40
