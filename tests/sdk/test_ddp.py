@@ -187,3 +187,69 @@ def test_torchrun_style_processes_attach_to_cluster(
     assert set(results[0]["epochs"][0]).isdisjoint(results[1]["epochs"][0])
     assert set(results[0]["epochs"][0]) | set(results[1]["epochs"][0]) == set(range(16))
     assert s3.total_gets == 16
+
+
+def _train_loop(config):
+    """Ray Train worker loop: ranks come from the process group Ray Train sets up."""
+    from torch.utils.data import DataLoader
+
+    from shardcache import DistributedCachedDataset
+
+    ds = DistributedCachedDataset(
+        config["url"],
+        storage_options=config["storage_options"],
+        redis_url=config["redis_url"],
+        namespace=config["namespace"],
+        seed=3,
+    )
+    loader = DataLoader(ds, batch_size=4, sampler=ds.sampler, collate_fn=list)
+    seen = []
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        seen.append(sorted(int(t[0]) for batch in loader for t in batch))
+    import json
+    from pathlib import Path
+
+    report = {
+        "rank": ds.rank,
+        "world": ds.world_size,
+        "epoch0": seen[0],
+        "epoch1": seen[1],
+        "remote_reads": ds.stats()["remote_reads"],
+    }
+    # Files, not ray.train.report: metrics without a checkpoint are not kept.
+    Path(config["out_dir"], f"rank{ds.rank}.json").write_text(json.dumps(report))
+
+
+def test_ray_train_torch_trainer_ranks_read_disjoint_stable_shards(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace, tmp_path
+):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    url = _data(s3fs_client, bucket, count=20)
+    s3.reset_counts()
+    trainer = TorchTrainer(
+        _train_loop,
+        train_loop_config={
+            "url": url,
+            "storage_options": s3.storage_options(),
+            "redis_url": redis_url,
+            "namespace": namespace,
+            "out_dir": str(tmp_path),
+        },
+        scaling_config=ScalingConfig(
+            num_workers=2, use_gpu=False, resources_per_worker={"CPU": 0.5}
+        ),
+        run_config=RunConfig(storage_path=str(tmp_path), name="shardcache-train"),
+    )
+    result = trainer.fit()
+    assert result.error is None
+    assert s3.total_gets == 20  # 2 epochs, 2 ranks: each object read once
+    import json
+
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["world"] == 2 for r in ranks)
+    assert all(r["epoch0"] == r["epoch1"] for r in ranks)  # stable shard across epochs
+    assert set(ranks[0]["epoch0"]).isdisjoint(ranks[1]["epoch0"])
+    assert set(ranks[0]["epoch0"]) | set(ranks[1]["epoch0"]) == set(range(20))
