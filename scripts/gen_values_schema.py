@@ -21,6 +21,7 @@ EXTRA: dict[str, dict[str, Any]] = {
     "cache.fetchConcurrency": {"minimum": 1},
     "cache.fetchRetries": {"minimum": 0},
     "cache.preprocessWorkers": {"minimum": 1},
+    "cache.sourceBurst": {"minimum": 1},
     "ray.objectStoreBytes": {"minimum": 78643200},
     "ray.spill.type": {"enum": ["emptyDir", "hostPath"]},
     "dashboard.replicas": {"minimum": 0},

@@ -77,6 +77,7 @@ class S3Emulator:
         self.host = host
         self.port = port
         self.gets: Counter[str] = Counter()
+        self.get_times: list[float] = []  # monotonic arrival time of every object GET
         self.requests = 0
         self.faults = FaultPlan()
         self._rng = random.Random(0)
@@ -130,6 +131,7 @@ class S3Emulator:
     def reset_counts(self) -> None:
         with self._lock:
             self.gets.clear()
+            self.get_times.clear()
             self.requests = 0
 
     def set_faults(self, plan: FaultPlan) -> None:
@@ -167,6 +169,7 @@ class S3Emulator:
                     )
                 if is_object_get:
                     self.gets[unquote(path)] += 1
+                    self.get_times.append(time.monotonic())
             if not is_object_get:
                 return app(environ, start_response)
             if delay:

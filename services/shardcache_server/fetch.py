@@ -17,6 +17,7 @@ from shardcache.source import open_remote
 __all__ = ["Fetcher"]
 
 _MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
+_THROTTLE_SIGNS = ("SlowDown", "reduce your request rate", "503")  # as s3fs matches
 _SINGLE_GET_MAX_BYTES = 32 * 2**20  # larger objects use s3fs's concurrent ranged GETs
 
 
@@ -47,6 +48,7 @@ class Fetcher:
         backoff_max_s: float,
         timeout_s: float,
         verify_checksum: bool = True,
+        budget: Any = None,
     ):
         self.protocol = protocol
         self.storage_options = dict(storage_options)
@@ -57,6 +59,7 @@ class Fetcher:
         )
         self.timeout_s, self.verify_checksum = timeout_s, verify_checksum
         self._concurrency = concurrency
+        self.budget = budget  # a shared RequestBudget, or None for no limit
         self._sem: asyncio.Semaphore | None = None
         self._fs: Any = None
 
@@ -66,9 +69,19 @@ class Fetcher:
             if getattr(cls, "async_impl", False):
                 # A private instance bound to this event loop: the store's loop
                 # drives every GET, no thread hop per object.
-                fs = cls(
-                    asynchronous=True, skip_instance_cache=True, **self.storage_options
-                )
+                options = dict(self.storage_options)
+                if self.protocol in ("s3", "s3a"):
+                    # One retry policy, ours: backoff with jitter that also feeds
+                    # the shared request budget. s3fs and botocore would otherwise
+                    # retry SlowDown silently underneath (5 x 3 attempts).
+                    config = dict(options.get("config_kwargs") or {})
+                    config.setdefault(
+                        "retries", {"max_attempts": 1, "mode": "standard"}
+                    )
+                    options["config_kwargs"] = config
+                fs = cls(asynchronous=True, skip_instance_cache=True, **options)
+                if self.protocol in ("s3", "s3a"):
+                    fs.retries = 1
                 if hasattr(fs, "set_session"):
                     await fs.set_session()
             else:
@@ -94,6 +107,8 @@ class Fetcher:
                 delay = min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1))
                 await asyncio.sleep(random.uniform(0, delay))
             try:
+                if self.budget is not None:
+                    await self.budget.acquire(url)
                 async with self._sem:
                     data = await asyncio.wait_for(
                         self._read(fs, path, size), self.timeout_s
@@ -113,6 +128,7 @@ class Fetcher:
                 last = exc
             except (OSError, TimeoutError, _Retryable) as exc:
                 last = exc
+                await self._note_throttle(url, exc)
             except Exception as exc:  # botocore/aiohttp errors that s3fs did not map
                 if type(exc).__module__.split(".")[0] not in (
                     "botocore",
@@ -121,6 +137,7 @@ class Fetcher:
                 ):
                     raise
                 last = exc
+                await self._note_throttle(url, exc)
                 if "Checksum" in type(exc).__name__:
                     last = CorruptObjectError(
                         f"object {url!r} failed the transfer checksum ({exc}): corrupted or "
@@ -133,6 +150,11 @@ class Fetcher:
             f"reading {url!r} failed after {self.retries + 1} attempts: "
             f"{type(last).__name__}: {last}. The source may be throttling or down."
         ) from last
+
+    async def _note_throttle(self, url: str, exc: BaseException) -> None:
+        text = str(exc)
+        if self.budget is not None and any(p in text for p in _THROTTLE_SIGNS):
+            await self.budget.throttled(url)
 
     async def _read(self, fs: Any, path: str, size: int) -> bytes:
         if self.protocol in ("s3", "s3a") and size <= _SINGLE_GET_MAX_BYTES:

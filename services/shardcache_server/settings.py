@@ -18,6 +18,7 @@ DEFAULT_BACKOFF_S = 0.1  # first retry delay; doubles each attempt, full jitter
 DEFAULT_BACKOFF_MAX_S = 5.0
 DEFAULT_FETCH_TIMEOUT_S = 60.0  # one GET, first byte to last
 DEFAULT_STATS_FLUSH_S = 1.0  # one Redis pipeline per store per second
+DEFAULT_SOURCE_BURST = 20  # requests a quiet source bucket may take at once
 DEFAULT_MAX_RESTARTS = 3  # a crash-looping store stops instead of hammering the source
 
 
@@ -40,6 +41,9 @@ class ServiceSettings(BaseSettings):
         redis_url: the index. namespace: the deployment (key prefix, Ray
         namespace). stats_flush_s: how often counters go to Redis.
         max_restarts: Ray restarts of a crashed store.
+        source_rps / source_burst: a cluster-wide request budget per source
+            bucket, shared by every store through Redis and halved on 503
+            SlowDown. ``0`` (the default) means no limit.
     """
 
     model_config = SettingsConfigDict(env_prefix="SHARDCACHE_", extra="ignore")
@@ -58,6 +62,8 @@ class ServiceSettings(BaseSettings):
     stats_flush_s: float = Field(default=DEFAULT_STATS_FLUSH_S, gt=0)
     max_restarts: int = Field(default=DEFAULT_MAX_RESTARTS, ge=-1)
     storage_options: dict[str, Any] = Field(default_factory=dict)
+    source_rps: float = Field(default=0.0, ge=0)
+    source_burst: int = Field(default=DEFAULT_SOURCE_BURST, ge=1)
 
     @field_validator("namespace")
     @classmethod

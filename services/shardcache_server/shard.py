@@ -23,6 +23,7 @@ from typing import Any
 from shardcache import keys
 from shardcache.errors import BackendError, ConfigError, ShardCacheError
 from shardcache.index import RedisIndex
+from shardcache_server.budget import RequestBudget
 from shardcache_server.eviction import make_policy
 from shardcache_server.fetch import Fetcher
 from shardcache_server.preprocess import describe, run_preprocess
@@ -156,12 +157,20 @@ class CacheShard:
             backoff_max_s=self.settings.backoff_max_s,
             timeout_s=self.settings.fetch_timeout_s,
             verify_checksum=self.settings.verify_checksum,
+            budget=self._budget(),
         )
         self._datasets[name] = _Dataset(
             name, spec["protocol"], spec["fingerprint"], preprocess, fetcher
         )
         self._advance(name, int(spec["generation"]))
         return self._generation[name]
+
+    def _budget(self) -> RequestBudget | None:
+        if not self.settings.source_rps or self._index is None:
+            return None
+        return RequestBudget(
+            self._index, self.settings.source_rps, self.settings.source_burst
+        )
 
     async def get(
         self,
