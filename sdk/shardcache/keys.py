@@ -21,6 +21,7 @@ key                                        type    content
 ``{p}:stores``                             hash    node_id -> JSON store heartbeat
 ``{p}:events``                             list    JSON events, newest first, capped
 ``{p}:invalidate``                         pubsub  JSON invalidation messages
+``{p}:budget:{source}``                    hash    request token bucket (services/budget.py)
 =========================================  ======  ===========================================
 """
 
