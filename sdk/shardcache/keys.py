@@ -31,6 +31,7 @@ import re
 
 __all__ = [
     "DEFAULT_NAMESPACE",
+    "budget_key",
     "dataset_key",
     "datasets_key",
     "entries_key",
@@ -113,6 +114,10 @@ def stores_key(ns: str) -> str:
 
 def events_key(ns: str) -> str:
     return f"{prefix(ns)}:events"
+
+
+def budget_key(ns: str, source: str) -> str:
+    return f"{prefix(ns)}:budget:{source}"
 
 
 def invalidation_channel(ns: str) -> str:

@@ -67,7 +67,7 @@ class RequestBudget:
 
     def key(self, url: str) -> str:
         source = url.split("://", 1)[-1].split("/", 1)[0]
-        return f"{keys.prefix(self.index.ns)}:budget:{source}"
+        return keys.budget_key(self.index.ns, source)
 
     async def acquire(self, url: str) -> None:
         """Wait until the source of ``url`` has a token for one request."""
