@@ -17,7 +17,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "shardcache"
-K8S_VERSION = "1.33.0"
+K8S_VERSION = "1.35.0"
 CRD_KINDS = {
     "RayCluster",
     "ServiceMonitor",
