@@ -97,6 +97,15 @@ def test_store_killed_and_restarted_still_serves_by_refetching(
     store = store_for_node(namespace, node_ids[1])
     before = ray.get(store.ping.remote())
     ray.kill(store, no_restart=False)  # Ray restarts it (max_restarts)
+    # ray.kill is asynchronous: read only once the old incarnation is gone.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if ray.get(store.ping.remote(), timeout=5) != before:
+                break
+        except ray.exceptions.RayError:
+            break  # dead or restarting: the kill has landed
+        time.sleep(0.05)
     s3.reset_counts()
     statuses, values = ray.get(readers[1].read.remote("ds", 1, items), timeout=120)
     assert values == [f"object-{i}".encode() * 10 for i in range(10)]
