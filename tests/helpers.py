@@ -56,3 +56,46 @@ def register_dataset(
         "generation": gen,
     }
     return index, spec, [(o.url, o.etag, o.size) for o in manifest.objects]
+
+
+@ray.remote(num_cpus=0)
+class SoakRank:
+    """One DDP rank that checks every sample against the source bytes."""
+
+    def run(self, rank, world, port, cfg):
+        import torch
+        import torch.distributed as dist
+        from torch.utils.data import DataLoader
+
+        from shardcache import DistributedCachedDataset
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+        try:
+            ds = DistributedCachedDataset(
+                cfg["url"],
+                storage_options=cfg["storage_options"],
+                redis_url=cfg["redis_url"],
+                namespace=cfg["namespace"],
+                name="soak",
+                seed=1,
+            )
+            loader = DataLoader(ds, batch_size=4, sampler=ds.sampler, collate_fn=list)
+            bad, read, generations = 0, 0, []
+            for epoch in range(cfg["epochs"]):
+                if epoch and rank == 0:
+                    ds.invalidate()  # a new generation between epochs
+                dist.barrier()
+                ds.set_epoch(epoch)
+                for batch in loader:
+                    for t in batch:
+                        # object i holds byte i, 64 times: every byte must match
+                        bad += int(not bool((t == t[0]).all()) or t.numel() != 64)
+                        read += 1
+                    dist.all_reduce(torch.ones(1))
+                generations.append(ds.generation)
+            ds.close()
+            return {"bad": bad, "read": read, "generations": generations}
+        finally:
+            dist.destroy_process_group()

@@ -190,6 +190,35 @@ def list_datasets(redis_url: str = RedisOpt, namespace: str = NamespaceOpt) -> N
 
 
 @app.command()
+def verify(
+    name: str,
+    redis_url: str = RedisOpt,
+    namespace: str = NamespaceOpt,
+    ray_address: str = typer.Option(None, envvar="RAY_ADDRESS"),
+) -> None:
+    """Check that the index and the stores agree for a dataset (exit 1 if not)."""
+    from shardcache.embedded import attach_ray
+    from shardcache_server.cluster import alive_nodes, store_for_node
+    from shardcache_server.verify import check_agreement
+
+    with _friendly_errors():
+        index = _index(redis_url, namespace)
+        attach_ray(ray_address)
+        handles = {
+            n: h
+            for n in alive_nodes()
+            if (h := store_for_node(namespace, n)) is not None
+        }
+        problems = check_agreement(index, handles, name)
+    for p in problems:
+        console.print(f"[red]mismatch:[/] {p}")
+    console.print(
+        f"{name}: {len(problems)} mismatch(es) across {len(handles)} store(s)"
+    )
+    raise typer.Exit(1 if problems else 0)
+
+
+@app.command()
 def demo(
     source: str = typer.Option(None, help="real data URL instead of generated images"),
     images: int = typer.Option(2000, min=16, help="generated images"),

@@ -265,6 +265,14 @@ class CacheShard:
             "inflight": len(self._inflight),
         }
 
+    async def snapshot(self, dataset: str) -> dict[str, dict[str, Any]]:
+        """What this store holds for ``dataset``: url -> etag, generation, bytes."""
+        return {
+            url: {"etag": c.etag, "generation": c.generation, "nbytes": c.nbytes}
+            for (ds, url), c in self._table.items()
+            if ds == dataset
+        }
+
     async def cached_urls(self, dataset: str) -> list[str]:
         """URLs of ``dataset`` held here (tests and ``shardcache ls``)."""
         return sorted(url for (ds, url) in self._table if ds == dataset)
