@@ -20,40 +20,23 @@ def test_cli_warm_stats_ls_invalidate_roundtrip(
     runner = CliRunner()
     common = ["--redis-url", redis_url, "--namespace", namespace]
     s3.reset_counts()
-    res = runner.invoke(
-        app,
-        [
-            "warm",
-            f"s3://{bucket}/w/",
-            "--name",
-            "warmed",
-            "--endpoint-url",
-            s3.endpoint_url,
-            "-o",
-            "key=testing",
-            "-o",
-            "secret=testing",
-            *common,
-        ],
-    )
+    warm = [
+        "warm",
+        f"s3://{bucket}/w/",
+        "--name",
+        "warmed",
+        "--endpoint-url",
+        s3.endpoint_url,
+        "-o",
+        "key=testing",
+        "-o",
+        "secret=testing",
+        *common,
+    ]
+    res = runner.invoke(app, warm)
     assert res.exit_code == 0, res.output
     assert "20 objects, 20 fetched" in res.output and s3.total_gets == 20
-    again = runner.invoke(
-        app,
-        [
-            "warm",
-            f"s3://{bucket}/w/",
-            "--name",
-            "warmed",
-            "--endpoint-url",
-            s3.endpoint_url,
-            "-o",
-            "key=testing",
-            "-o",
-            "secret=testing",
-            *common,
-        ],
-    )
+    again = runner.invoke(app, warm)
     assert "20 already cached" in again.output and s3.total_gets == 20
     owners = RedisIndex.from_url(redis_url, namespace).owners("warmed", 1)
     assert (
