@@ -44,6 +44,9 @@ def summarise(report: dict[str, Any]) -> dict[tuple[str, str], dict[str, list[fl
             m["spread"].append(max(means) / max(min(means), 1e-9))
             m["pss"].append(max(r["pss_mb"] for r in ranks))
             m["uss"].append(max(r["uss_mb"] for r in ranks))
+            m["delivery_gbps"].append(
+                float(np.mean([r.get("delivery_gbps", 0.0) for r in ranks]))
+            )
             m["memcpy_frac"].append(
                 total
                 * report["object_bytes"][dataset]
@@ -82,7 +85,8 @@ def write_report(report: dict[str, Any], md_path: Path, png_path: Path) -> None:
                 f"{_med(m['warm_rank_sps'])} | {_med(m['first_batch_s'])} | "
                 f"{_med(m['gets_per_object'])} | {_med(m['p50'])} | {_med(m['p99'])} | "
                 f"{_med(m['spread'])} | {_med(m['pss'])} | {_med(m['uss'])} | "
-                f"{np.median(m['memcpy_frac']):.4f} |"
+                f"{np.median(m['memcpy_frac']):.4f} | {_med(m['delivery_gbps'])} | "
+                f"{np.median(m['delivery_gbps']) / report['memcpy_gbps'][dataset]:.2f} |"
                 if m["memcpy_frac"]
                 else "| - |"
             )

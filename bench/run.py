@@ -130,7 +130,7 @@ def rank_main(
     for epoch in range(cfg["epochs"]):
         set_epoch(epoch)
         dist.barrier()
-        waits, n = [], 0
+        waits, n, delivered = [], 0, 0
         started = last = time.perf_counter()
         first = None
         for batch in loader:
@@ -138,6 +138,7 @@ def rank_main(
             waits.append(now - last)
             first = first if first is not None else now - started
             n += len(batch)
+            delivered += sum(int(t.numel() * t.element_size()) for t in batch)
             time.sleep(cfg["step_ms"] / 1000)
             dist.all_reduce(torch.ones(1))
             last = time.perf_counter()
@@ -157,6 +158,9 @@ def rank_main(
                 "wait_p50_ms": float(np.percentile(w, 50)),
                 "wait_p99_ms": float(np.percentile(w, 99)),
                 "wait_mean_ms": float(w.mean()),
+                # Loader-only delivery: tensor bytes over the time the loop waited.
+                "delivered_bytes": delivered,
+                "delivery_gbps": delivered / max(float(w.sum()) / 1000, 1e-9) / 1e9,
                 "pss_mb": pss,
                 "uss_mb": uss,
             }
