@@ -199,7 +199,6 @@ class DistributedCachedDataset(Dataset[Any]):
         self._values: dict[int, Any] = {}
         self._held_bytes = 0
         self._transient: set[int] = set()
-        self._unread: set[int] = set()
         self._refs_generation = -1
         self._pending: dict[int, Future[None]] = {}
         self._prefetcher: ThreadPoolExecutor | None = None
@@ -225,7 +224,6 @@ class DistributedCachedDataset(Dataset[Any]):
             "_refs",
             "_values",
             "_transient",
-            "_unread",
             "_pending",
             "_prefetcher",
             "_lock",
@@ -277,7 +275,6 @@ class DistributedCachedDataset(Dataset[Any]):
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Fetch a whole batch: one store call for its misses, one ``ray.get``."""
-
         started = time.perf_counter()
         self._attach()
         indices = [int(i) for i in indices]
@@ -290,9 +287,8 @@ class DistributedCachedDataset(Dataset[Any]):
             except StaleVersionError:
                 if attempt == 2:
                     raise
-                self.generation = (
-                    -1
-                )  # force a re-read; never mix generations in a batch
+                # Force a re-read; never mix generations in a batch.
+                self.generation = -1
         for i in indices:
             if i not in got:  # a value held since an earlier batch: no Ray call at all
                 self._counts["hits"] += 1
@@ -347,7 +343,6 @@ class DistributedCachedDataset(Dataset[Any]):
                 self._values.clear()
                 self._held_bytes = 0
                 self._transient.clear()
-                self._unread.clear()
                 self._refs_generation = generation
         self.generation = generation
         return generation
@@ -391,15 +386,11 @@ class DistributedCachedDataset(Dataset[Any]):
         ]
         for fut in waiting:
             fut.result()
+        # Every reference still in _refs is unread (read ones are popped in
+        # _fetch_values) and was counted when _resolve stored it.
         missing = sorted({i for i in indices if i not in self._refs})
         if missing:
             self._resolve(missing, generation)
-        for i in indices:
-            if i in self._unread:
-                self._unread.discard(i)  # counted when its reference was resolved
-            else:
-                self._counts["hits"] += 1  # a reference held since an earlier epoch
-                self._counts["bytes"] += self.manifest.objects[i].size
 
     def _resolve(self, indices: list[int], generation: int) -> None:
         objs = self.manifest.objects
@@ -413,7 +404,6 @@ class DistributedCachedDataset(Dataset[Any]):
                 return
             for i, (status, ref) in zip(indices, results, strict=False):
                 self._refs[i] = ref
-                self._unread.add(i)
                 if status == "uncached":
                     self._transient.add(i)
                 if status in ("fetched", "uncached"):
@@ -537,7 +527,6 @@ class DistributedCachedDataset(Dataset[Any]):
             for i in stale:
                 self._refs.pop(i, None)
                 self._values.pop(i, None)
-                self._unread.discard(i)
         return self._client.index.invalidate_changed(
             self.name, self.generation, {o.url: o.etag for o in manifest.objects}
         )

@@ -6,7 +6,6 @@ import asyncio
 import hashlib
 import random
 import re
-import time
 from typing import Any
 
 import fsspec
@@ -19,10 +18,6 @@ __all__ = ["Fetcher"]
 _MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
 _THROTTLE_SIGNS = ("SlowDown", "reduce your request rate", "503")  # as s3fs matches
 _SINGLE_GET_MAX_BYTES = 32 * 2**20  # larger objects use s3fs's concurrent ranged GETs
-
-
-class _Retryable(Exception):
-    """A failure worth another attempt (transient I/O, short read)."""
 
 
 class Fetcher:
@@ -126,7 +121,7 @@ class Fetcher:
                 ) from exc
             except CorruptObjectError as exc:
                 last = exc
-            except (OSError, TimeoutError, _Retryable) as exc:
+            except (OSError, TimeoutError) as exc:
                 last = exc
                 await self._note_throttle(url, exc)
             except Exception as exc:  # botocore/aiohttp errors that s3fs did not map
@@ -178,7 +173,3 @@ class Fetcher:
                     f"object {url!r} has MD5 {digest} but its ETag is {etag}: corrupted "
                     "in transit or changed upstream. Not cached."
                 )
-
-
-def monotonic_ms() -> float:
-    return time.perf_counter() * 1000.0

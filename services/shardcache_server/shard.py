@@ -273,10 +273,6 @@ class CacheShard:
             if ds == dataset
         }
 
-    async def cached_urls(self, dataset: str) -> list[str]:
-        """URLs of ``dataset`` held here (tests and ``shardcache ls``)."""
-        return sorted(url for (ds, url) in self._table if ds == dataset)
-
     # -- miss path -------------------------------------------------------------
     async def _resolve(
         self, ds: _Dataset, generation: int, items: list[Item], *, forwarded: bool
@@ -433,7 +429,7 @@ class CacheShard:
     ) -> bool:
         admitted, evicted = self._policy.admit((dataset, url), meta["nbytes"])
         for victim in evicted:
-            self._drop_entry(victim)
+            self._evict_local(victim)
         self._stats.add((dataset, generation), "evictions", len(evicted))
         if not admitted:
             self._stats.add((dataset, generation), "uncached")
@@ -492,9 +488,6 @@ class CacheShard:
 
     def _evict_local(self, key: tuple[str, str]) -> None:
         self._policy.remove(key)
-        self._table.pop(key, None)
-
-    def _drop_entry(self, key: Any) -> None:
         self._table.pop(key, None)
 
     def _on_message(self, raw: str) -> None:
@@ -596,7 +589,7 @@ class CacheShard:
                 "generation": c.generation,
             }
         for (ds, gen), entries in by_ds.items():
-            if self._index.generation(ds) != gen:
+            if await asyncio.to_thread(self._index.generation, ds) != gen:
                 continue
             await asyncio.to_thread(self._index.record_entries, ds, gen, entries)
             for url in entries:
