@@ -35,6 +35,7 @@ from shardcache.world import World
 __all__ = ["DistributedCachedDataset"]
 
 RANK_REPORT_EVERY = 50  # batches between best-effort rank reports to Redis
+CONSISTENCY_MODES = ("epoch", "batch")  # when a rank picks up a new generation
 # Arrays from the Ray object store are read-only views of shared memory; torch
 # warns about each one. The dataset documents the contract instead.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -91,6 +92,14 @@ class DistributedCachedDataset(Dataset[Any]):
             ``"global"`` (DistributedSampler's global permutation) or ``False``.
         seed, drop_last: as for DistributedSampler.
         prefetch_batches: batches whose references are resolved ahead.
+        consistency: ``"epoch"`` (the default) reads the generation once at
+            ``set_epoch``, so an invalidation from elsewhere mid-epoch takes
+            effect at the next epoch and the rank finishes on the bytes it
+            started with (the stores keep the old values for
+            ``retire_grace_s``). ``"batch"`` re-reads it before every batch,
+            so the next batch after an invalidation already sees the new data.
+            Either way a batch is never a mix of generations, and this
+            dataset's own ``invalidate()`` applies from the next batch.
 
     Samples are torch tensors viewing the Ray object store without a copy.
     They are read-only: a transform that writes in place must ``.clone()`` first.
@@ -121,6 +130,7 @@ class DistributedCachedDataset(Dataset[Any]):
         prefetch_batches: int | None = None,
         job: str | None = None,
         target: Callable[[str], Any] | None = None,
+        consistency: str = "epoch",
     ):
         if preprocess is not None and not callable(preprocess):
             raise ConfigError(
@@ -134,6 +144,12 @@ class DistributedCachedDataset(Dataset[Any]):
             raise ConfigError(
                 f"transform must be callable or None, got {type(transform).__name__}."
             )
+        if consistency not in CONSISTENCY_MODES:
+            raise ConfigError(
+                f"consistency must be one of {', '.join(map(repr, CONSISTENCY_MODES))}, "
+                f"got {consistency!r}."
+            )
+        self.consistency = consistency
         overrides = {
             k: v
             for k, v in {
@@ -200,6 +216,7 @@ class DistributedCachedDataset(Dataset[Any]):
         self._held_bytes = 0
         self._transient: set[int] = set()
         self._refs_generation = -1
+        self._snapshot_due = True
         self._pending: dict[int, Future[None]] = {}
         self._prefetcher: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -210,6 +227,7 @@ class DistributedCachedDataset(Dataset[Any]):
             "remote_reads": 0,
             "bytes": 0,
             "samples": 0,
+            "generation_switches": 0,
         }
         self._consumed = 0
         self._cursor = 0
@@ -266,6 +284,7 @@ class DistributedCachedDataset(Dataset[Any]):
         """Start ``epoch``: reshuffle this rank's order and report last epoch's waits."""
         self._report_rank()
         self._sampler.set_epoch(epoch)
+        self._snapshot_due = True
         self._consumed = 0
         self._cursor = 0
         self._waits.reset()
@@ -287,8 +306,10 @@ class DistributedCachedDataset(Dataset[Any]):
             except StaleVersionError:
                 if attempt == 2:
                     raise
-                # Force a re-read; never mix generations in a batch.
-                self.generation = -1
+                # The snapshot expired on the stores: move to the newest
+                # generation at this batch boundary, never within a batch.
+                self._snapshot_due = True
+                self._counts["generation_switches"] += 1
         for i in indices:
             if i not in got:  # a value held since an earlier batch: no Ray call at all
                 self._counts["hits"] += 1
@@ -328,6 +349,13 @@ class DistributedCachedDataset(Dataset[Any]):
 
     # -- references ---------------------------------------------------------------
     def _current_generation(self) -> int:
+        if (
+            self.consistency == "epoch"
+            and not self._snapshot_due
+            and self._refs_generation > 0
+        ):
+            return self._refs_generation
+        self._snapshot_due = False
         try:
             generation = self._client.index.generation(self.name)
         except IndexUnavailable:
@@ -499,6 +527,7 @@ class DistributedCachedDataset(Dataset[Any]):
     def invalidate(self) -> int:
         """Start a new generation now; the next batch re-fetches. Returns it."""
         self.generation = self._client.index.invalidate(self.name)
+        self._snapshot_due = True
         return self.generation
 
     def refresh(self) -> list[str]:

@@ -20,6 +20,7 @@ DEFAULT_FETCH_TIMEOUT_S = 60.0  # one GET, first byte to last
 DEFAULT_STATS_FLUSH_S = 1.0  # one Redis pipeline per store per second
 DEFAULT_SOURCE_BURST = 20  # requests a quiet source bucket may take at once
 DEFAULT_MAX_RESTARTS = 3  # a crash-looping store stops instead of hammering the source
+DEFAULT_RETIRE_GRACE_S = 3600.0  # an invalidated generation stays readable mid-epoch
 
 
 class ServiceSettings(BaseSettings):
@@ -29,6 +30,10 @@ class ServiceSettings(BaseSettings):
         cache_bytes: memory budget of one store (one per node). Defaults to 2 GiB.
         eviction: ``"lru"`` or ``"static"`` (keep what fits, never evict).
             Defaults to ``"lru"``.
+        retire_grace_s: how long the values of an invalidated generation stay
+            readable by ranks that snapshotted it at ``set_epoch``. They share
+            the budget and are evicted first. ``0`` frees them at once.
+            Defaults to one hour.
 
     How to fetch:
         fetch_concurrency, fetch_retries, backoff_s, backoff_max_s,
@@ -52,6 +57,7 @@ class ServiceSettings(BaseSettings):
     namespace: str = DEFAULT_NAMESPACE
     cache_bytes: int = Field(default=DEFAULT_CACHE_BYTES, gt=0)
     eviction: Literal["lru", "static"] = "lru"
+    retire_grace_s: float = Field(default=DEFAULT_RETIRE_GRACE_S, ge=0)
     fetch_concurrency: int = Field(default=DEFAULT_FETCH_CONCURRENCY, ge=1)
     fetch_retries: int = Field(default=DEFAULT_FETCH_RETRIES, ge=0)
     backoff_s: float = Field(default=DEFAULT_BACKOFF_S, ge=0)

@@ -27,6 +27,7 @@ from shardcache_server.budget import RequestBudget
 from shardcache_server.eviction import make_policy
 from shardcache_server.fetch import Fetcher
 from shardcache_server.preprocess import describe, run_preprocess
+from shardcache_server.retired import RetiredGenerations
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.stats import StatsBuffer
 
@@ -95,6 +96,7 @@ class CacheShard:
         self._put = put or _ray_put
         self._peer = peer or (lambda node: _ray_peer(self.settings.namespace, node))
         self._policy = make_policy(self.settings.eviction, self.settings.cache_bytes)
+        self._retired = RetiredGenerations(self.settings.retire_grace_s)
         self._table: dict[tuple[str, str], _Cached] = {}
         self._datasets: dict[str, _Dataset] = {}
         self._generation: dict[str, int] = defaultdict(int)
@@ -159,10 +161,11 @@ class CacheShard:
             verify_checksum=self.settings.verify_checksum,
             budget=self._budget(),
         )
+        # Advance first: the generation being retired keeps its own preprocess.
+        self._advance(name, int(spec["generation"]))
         self._datasets[name] = _Dataset(
             name, spec["protocol"], spec["fingerprint"], preprocess, fetcher
         )
-        self._advance(name, int(spec["generation"]))
         return self._generation[name]
 
     def _budget(self) -> RequestBudget | None:
@@ -192,6 +195,9 @@ class CacheShard:
             return [("unregistered",)] * len(items)
         known = self._generation[dataset]
         if generation < known:
+            retired = self._retired.spec(dataset, generation)
+            if retired is not None:
+                return await self._serve_retired(retired, generation, items)
             msg = (
                 f"dataset {dataset!r} generation {generation} was invalidated; "
                 f"the current generation is {known}. Re-read the generation and retry."
@@ -245,6 +251,8 @@ class CacheShard:
         ]
         for k in victims:
             self._evict_local(k)
+        if urls is None:
+            self._retired.drop(dataset)
         return len(victims)
 
     async def info(self) -> dict[str, Any]:
@@ -263,6 +271,7 @@ class CacheShard:
             "generations": dict(self._generation),
             "dropped_stat_flushes": self._stats.dropped_flushes,
             "inflight": len(self._inflight),
+            **self._retired.summary(),
         }
 
     async def snapshot(self, dataset: str) -> dict[str, dict[str, Any]]:
@@ -272,6 +281,37 @@ class CacheShard:
             for (ds, url), c in self._table.items()
             if ds == dataset
         }
+
+    async def _serve_retired(
+        self, ds: _Dataset, generation: int, items: list[Item]
+    ) -> list[Result]:
+        """Serve a generation invalidated mid-epoch to the ranks still reading it.
+
+        Kept values are hits; anything else is read once from the source with
+        that generation's preprocess and not cached ("uncached"): the cache
+        belongs to the new generation.
+        """
+        loop = asyncio.get_running_loop()
+        key = (ds.name, generation)
+
+        async def serve(url: str, etag: str, size: int) -> Result:
+            ref = self._retired.lookup(ds.name, generation, url, etag)
+            if ref is not None:
+                self._stats.add(key, "hits")
+                return ("hit", ref)
+            try:
+                data = await ds.fetcher.fetch(url, size, etag)
+                self._stats.add(key, "remote_reads")
+                _, ref = await loop.run_in_executor(
+                    self._pool, self._process, ds, data, url
+                )
+            except ShardCacheError as exc:
+                self._stats.add(key, "errors")
+                return ("error", type(exc).__name__, str(exc))
+            self._stats.add(key, "misses")
+            return ("uncached", ref)
+
+        return list(await asyncio.gather(*(serve(*it) for it in items)))
 
     # -- miss path -------------------------------------------------------------
     async def _resolve(
@@ -427,6 +467,14 @@ class CacheShard:
         meta: dict[str, Any],
         data: bytes,
     ) -> bool:
+        overflow = (
+            self._policy.used_bytes
+            + self._retired.nbytes
+            + meta["nbytes"]
+            - self._policy.budget_bytes
+        )
+        if overflow > 0:
+            self._retired.free(overflow)
         admitted, evicted = self._policy.admit((dataset, url), meta["nbytes"])
         for victim in evicted:
             self._evict_local(victim)
@@ -475,15 +523,20 @@ class CacheShard:
 
     # -- invalidation ----------------------------------------------------------
     def _advance(self, dataset: str, generation: int) -> None:
-        """Move to ``generation`` and free everything cached under older ones."""
-        if generation <= self._generation[dataset]:
+        """Move to ``generation``; older values are retired (kept a while) or freed."""
+        previous = self._generation[dataset]
+        if generation <= previous:
             return
         self._generation[dataset] = generation
+        if dataset in self._datasets:
+            self._retired.retire(dataset, previous, self._datasets[dataset])
         for k in [
             k
             for k, c in self._table.items()
             if k[0] == dataset and c.generation < generation
         ]:
+            c = self._table[k]
+            self._retired.keep(dataset, c.generation, k[1], c.ref, c.etag, c.nbytes)
             self._evict_local(k)
 
     def _evict_local(self, key: tuple[str, str]) -> None:
@@ -561,6 +614,7 @@ class CacheShard:
             await self._flush_once()
 
     async def _flush_once(self) -> None:
+        self._retired.expire()
         if self._index is None:
             return
         counts = self._stats.take()

@@ -73,6 +73,56 @@ def test_dataset_invalidate_refetches_and_serves_new_content(
     assert s3.total_gets == 3  # the new generation re-fetches
 
 
+def _wait_for_store_generation(namespace, name, generation, timeout_s=10.0):
+    import time
+
+    import ray
+
+    from shardcache_server.cluster import store_for_node
+
+    store = store_for_node(namespace, ray.get_runtime_context().get_node_id())
+    deadline = time.monotonic() + timeout_s
+    while ray.get(store.info.remote())["generations"].get(name) != generation:
+        assert time.monotonic() < deadline, "the store never saw the invalidation"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("consistency", ["epoch", "batch"])
+def test_dataset_invalidation_mid_epoch_takes_effect_per_consistency_mode(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace, monkeypatch, consistency
+):
+    from shardcache.index import RedisIndex
+
+    payload = _objects(s3fs_client, bucket)
+    # Hold nothing on the rank, so every batch really asks the store.
+    monkeypatch.setenv("SHARDCACHE_HOLD_BYTES", "0")
+    ds = _ds(s3, bucket, redis_url, namespace, consistency=consistency)
+    loader = DataLoader(ds, batch_size=4, sampler=ds.sampler, collate_fn=list)
+    ds.set_epoch(0)
+    assert len([t for b in loader for t in b]) == 24
+    s3.reset_counts()
+    ds.set_epoch(1)
+    seen, generations = [], []
+    for i, batch in enumerate(loader):
+        seen += [bytes(t.numpy()) for t in batch]
+        generations.append(ds.generation)
+        if i == 1:  # another process (the CLI, a second job) invalidates mid-epoch
+            new = RedisIndex.from_url(redis_url, namespace).invalidate(ds.name)
+            _wait_for_store_generation(namespace, ds.name, new)
+    assert sorted(seen) == sorted(payload.values())
+    if consistency == "epoch":
+        # The epoch finishes on its snapshot, from the stores' retired values.
+        assert generations == [1] * 6 and s3.total_gets == 0
+    else:
+        # From the next batch on: the new generation, re-fetched.
+        assert generations == [1, 1, 2, 2, 2, 2] and s3.total_gets == 16
+    ds.set_epoch(2)
+    again = [bytes(t.numpy()) for b in loader for t in b]
+    assert sorted(again) == sorted(payload.values()) and ds.generation == 2
+    assert s3.total_gets == 24  # every object once under generation 2
+    ds.close()
+
+
 def test_dataset_preprocess_change_starts_new_generation(
     ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
 ):

@@ -71,6 +71,9 @@ def test_redis_restart_reads_continue_and_index_recovers(
         redis_url=private_redis["url"],
         namespace=namespace,
         shuffle=False,
+        # Reads the generation before every batch: the mode that leans on
+        # Redis hardest (the default reads it once per epoch).
+        consistency="batch",
     )
     expected = [bytes([i]) * 32 for i in range(12)]
     assert [bytes(ds[i].numpy()) for i in range(12)] == expected

@@ -154,15 +154,16 @@ def test_shard_invalidation_over_pubsub_frees_memory(
         while (await shard.info())["entries"] and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         after = await shard.info()
-        stale = await shard.get("ds", 1, items[:1])
+        retired = await shard.get("ds", 1, items[:1])
         await shard.close()
-        return before, after, stale
+        return before, after, retired
 
-    before, after, stale = _run(scenario())
+    before, after, retired = _run(scenario())
     assert (
         before == 1000 and after["used_bytes"] == 0 and after["generations"]["ds"] == 2
     )
-    assert stale[0][:2] == ("error", "StaleVersionError")
+    # Generation 1 left the budget but stays readable for ranks mid-epoch.
+    assert after["retired_bytes"] == 1000 and retired[0][0] == "hit"
 
 
 @pytest.mark.parametrize("policy,expected_hits", [("lru", 0), ("static", 5)])
@@ -245,3 +246,60 @@ def test_shard_object_deleted_upstream_is_source_not_found(
 
     (res,) = _run(scenario())
     assert res[:2] == ("error", "SourceNotFound")
+
+
+@pytest.mark.parametrize("grace_s", [60.0, 0.0])
+def test_shard_invalidated_generation_stays_readable_for_grace(
+    s3, s3fs_client, bucket, redis_url, grace_s
+):
+    cfg, index, spec, items = _setup(
+        s3, s3fs_client, bucket, redis_url, retire_grace_s=grace_s
+    )
+
+    async def scenario():
+        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        await shard.register(spec, raw_bytes)
+        await shard.get("ds", 1, items[:6])  # 6 cached under generation 1
+        new = index.invalidate("ds")
+        await shard.get("ds", new, items[:1])  # the store moves to generation 2
+        old = await shard.get("ds", 1, items)  # a rank still mid-epoch on 1
+        info = await shard.info()
+        await shard.close()
+        return old, info
+
+    s3.reset_counts()
+    old, info = _run(scenario())
+    if grace_s:
+        assert [r[0] for r in old] == ["hit"] * 6 + ["uncached"] * 4
+        assert all(
+            np.array_equal(r[1], np.full(100, i, np.uint8)) for i, r in enumerate(old)
+        )
+        # 6 (gen 1) + 1 (gen 2) + 4 read once for gen 1 and not cached.
+        assert s3.total_gets == 11
+        assert info["retired_generations"] == 1 and info["retired_bytes"] == 600
+        assert info["used_bytes"] + info["retired_bytes"] <= info["budget_bytes"]
+    else:
+        assert {r[0] for r in old} == {"error"}
+        assert {r[1] for r in old} == {"StaleVersionError"}
+        assert info["retired_bytes"] == 0
+
+
+def test_shard_retired_values_give_way_to_new_entries(
+    s3, s3fs_client, bucket, redis_url
+):
+    cfg, index, spec, items = _setup(
+        s3, s3fs_client, bucket, redis_url, cache_bytes=1000
+    )
+
+    async def scenario():
+        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        await shard.register(spec, raw_bytes)
+        await shard.get("ds", 1, items)  # 10 x 100 bytes: the budget is full
+        new = index.invalidate("ds")
+        await shard.get("ds", new, items[:4])
+        info = await shard.info()
+        await shard.close()
+        return info
+
+    info = _run(scenario())
+    assert info["used_bytes"] == 400 and info["retired_bytes"] == 600
