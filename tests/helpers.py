@@ -63,12 +63,17 @@ class SoakRank:
     """One DDP rank that checks every sample against the source bytes."""
 
     def run(self, rank, world, port, cfg):
+        import os
+
         import torch
         import torch.distributed as dist
         from torch.utils.data import DataLoader
 
         from shardcache import DistributedCachedDataset
+        from shardcache.index import RedisIndex
 
+        if rank in cfg["hold_nothing"]:  # these ranks ask the store every batch
+            os.environ["SHARDCACHE_HOLD_BYTES"] = "0"
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
         )
@@ -84,17 +89,23 @@ class SoakRank:
             loader = DataLoader(ds, batch_size=4, sampler=ds.sampler, collate_fn=list)
             bad, read, generations = 0, 0, []
             for epoch in range(cfg["epochs"]):
-                if epoch and rank == 0:
+                if epoch in cfg["invalidate_before"] and rank == 0:
                     ds.invalidate()  # a new generation between epochs
                 dist.barrier()
                 ds.set_epoch(epoch)
-                for batch in loader:
+                seen = set()
+                for step, batch in enumerate(loader):
                     for t in batch:
                         # object i holds byte i, 64 times: every byte must match
                         bad += int(not bool((t == t[0]).all()) or t.numel() != 64)
                         read += 1
+                    seen.add(ds.generation)
+                    if epoch in cfg["invalidate_during"] and rank == 0 and step == 1:
+                        # as the CLI would: from outside, while every rank reads
+                        index = RedisIndex.from_url(cfg["redis_url"], cfg["namespace"])
+                        index.invalidate("soak")
                     dist.all_reduce(torch.ones(1))
-                generations.append(ds.generation)
+                generations.append(sorted(seen))
             ds.close()
             return {"bad": bad, "read": read, "generations": generations}
         finally:

@@ -10,7 +10,12 @@ from typing import Any
 
 import fsspec
 
-from shardcache.errors import CorruptObjectError, RemoteFetchError, SourceNotFound
+from shardcache.errors import (
+    CorruptObjectError,
+    RemoteFetchError,
+    SourceNotFound,
+    StaleVersionError,
+)
 from shardcache.source import open_remote
 
 __all__ = ["Fetcher"]
@@ -89,6 +94,7 @@ class Fetcher:
 
         Raises:
             SourceNotFound: the object is gone (not retried).
+            StaleVersionError: the object changed upstream since it was listed.
             CorruptObjectError: size or checksum mismatch on every attempt.
             RemoteFetchError: transient failures outlasted the retry budget.
         """
@@ -121,6 +127,7 @@ class Fetcher:
                 ) from exc
             except CorruptObjectError as exc:
                 last = exc
+                await self._raise_if_changed(fs, path, url, etag)
             except (OSError, TimeoutError) as exc:
                 last = exc
                 await self._note_throttle(url, exc)
@@ -145,6 +152,24 @@ class Fetcher:
             f"reading {url!r} failed after {self.retries + 1} attempts: "
             f"{type(last).__name__}: {last}. The source may be throttling or down."
         ) from last
+
+    async def _raise_if_changed(self, fs: Any, path: str, url: str, etag: str) -> None:
+        """A mismatch is either corruption or a newer version: one HEAD tells which."""
+        try:
+            info = (
+                await fs._info(path, refresh=True)
+                if getattr(fs, "async_impl", False)
+                else await asyncio.to_thread(fs.info, path)
+            )
+        except Exception:  # cannot tell; keep treating it as corruption
+            return
+        current = str(info.get("ETag") or info.get("etag") or "").strip('"')
+        if current and current != etag:
+            raise StaleVersionError(
+                f"object {url!r} changed upstream since it was listed (ETag {etag} -> "
+                f"{current}). Call DistributedCachedDataset.refresh() on every rank, "
+                "or build a new dataset, to read the new version."
+            )
 
     async def _note_throttle(self, url: str, exc: BaseException) -> None:
         text = str(exc)

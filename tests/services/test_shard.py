@@ -248,6 +248,28 @@ def test_shard_object_deleted_upstream_is_source_not_found(
     assert res[:2] == ("error", "SourceNotFound")
 
 
+def test_shard_object_changed_after_listing_is_stale_not_corrupt(
+    s3, s3fs_client, bucket, redis_url
+):
+    cfg, _, spec, items = _setup(s3, s3fs_client, bucket, redis_url, count=2)
+    s3fs_client.pipe({items[1][0].removeprefix("s3://"): b"x" * 100})  # same size
+
+    async def scenario():
+        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        await shard.register(spec, raw_bytes)
+        out = await shard.get("ds", 1, items)
+        info = await shard.info()
+        await shard.close()
+        return out, info
+
+    (ok, changed), info = _run(scenario())
+    assert ok[0] == "fetched"
+    assert changed[:2] == ("error", "StaleVersionError")
+    assert items[1][0] in changed[2] and "refresh()" in changed[2]
+    assert info["entries"] == 1  # the changed object was not cached
+    assert s3.total_gets == 2  # not retried as if it were corruption
+
+
 @pytest.mark.parametrize("grace_s", [60.0, 0.0])
 def test_shard_invalidated_generation_stays_readable_for_grace(
     s3, s3fs_client, bucket, redis_url, grace_s
