@@ -48,6 +48,20 @@ def _run(coro):
     return asyncio.run(coro)
 
 
+def _get_once(cfg, spec, items):
+    """One store, one ``get`` of ``items`` under generation 1: (results, info)."""
+
+    async def scenario():
+        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        await shard.register(spec, raw_bytes)
+        out = await shard.get("ds", 1, items)
+        info = await shard.info()
+        await shard.close()
+        return out, info
+
+    return _run(scenario())
+
+
 def test_shard_fetches_once_then_hits_and_records_index(
     s3, s3fs_client, bucket, redis_url
 ):
@@ -215,16 +229,7 @@ def test_shard_truncated_object_is_detected_not_cached(
         s3, s3fs_client, bucket, redis_url, count=1, fetch_retries=1
     )
     s3.set_faults(FaultPlan(truncate_rate=1.0))
-
-    async def scenario():
-        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
-        await shard.register(spec, raw_bytes)
-        out = await shard.get("ds", 1, items)
-        info = await shard.info()
-        await shard.close()
-        return out, info
-
-    (res,), info = _run(scenario())
+    (res,), info = _get_once(cfg, spec, items)
     assert (
         res[0] == "error" and res[1] == "CorruptObjectError" and items[0][0] in res[2]
     )
@@ -236,15 +241,7 @@ def test_shard_object_deleted_upstream_is_source_not_found(
 ):
     cfg, _, spec, items = _setup(s3, s3fs_client, bucket, redis_url, count=1)
     s3fs_client.rm(items[0][0])
-
-    async def scenario():
-        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
-        await shard.register(spec, raw_bytes)
-        out = await shard.get("ds", 1, items)
-        await shard.close()
-        return out
-
-    (res,) = _run(scenario())
+    (res,), _ = _get_once(cfg, spec, items)
     assert res[:2] == ("error", "SourceNotFound")
 
 
@@ -253,16 +250,7 @@ def test_shard_object_changed_after_listing_is_stale_not_corrupt(
 ):
     cfg, _, spec, items = _setup(s3, s3fs_client, bucket, redis_url, count=2)
     s3fs_client.pipe({items[1][0].removeprefix("s3://"): b"x" * 100})  # same size
-
-    async def scenario():
-        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
-        await shard.register(spec, raw_bytes)
-        out = await shard.get("ds", 1, items)
-        info = await shard.info()
-        await shard.close()
-        return out, info
-
-    (ok, changed), info = _run(scenario())
+    (ok, changed), info = _get_once(cfg, spec, items)
     assert ok[0] == "fetched"
     assert changed[:2] == ("error", "StaleVersionError")
     assert items[1][0] in changed[2] and "refresh()" in changed[2]
