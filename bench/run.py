@@ -24,149 +24,33 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
+# The emulator's fake credentials, for clients that only read the environment.
+for _k, _v in {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}.items():
+    os.environ.setdefault(_k, _v)
 
 import numpy as np  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-SYSTEMS = ("plain", "manager_dict", "simplecache", "shardcache")
+# Every Ray worker (the ranks of the Ray-based systems) imports bench/ modules.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
+)
+NODES, RANKS_PER_NODE = 2, 2
+SYSTEMS = ("plain", "manager_dict", "simplecache", "ray_data", "litdata", "shardcache")
+# shardcache under a cache holding half the dataset, and with 1% changed upstream.
+SCENARIOS = ("shardcache_lru50", "shardcache_static50", "shardcache_changed1")
+RAY_SYSTEMS = ("ray_data", "shardcache", *SCENARIOS)
 
 
-def decode_resize(data: bytes) -> np.ndarray:
-    """Decode + resize + normalise: real CPU per image (the 100 KB set)."""
-    import io
+def _torch_rank(system: str, rank: int, cfg: dict[str, Any], out: Any) -> None:
+    from ranks import run_torch_rank
 
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as img:
-        small = img.convert("RGB").resize((64, 64))
-    return np.array(small, dtype=np.uint8)
-
-
-def blob(data: bytes) -> np.ndarray:
-    """The 4 KB set: per-sample overhead dominates."""
-    return np.frombuffer(data, dtype=np.uint8).copy()
-
-
-PREPROCESS = {"images": decode_resize, "blobs": blob}
-
-
-def _pss_uss_mb(pids: list[int]) -> tuple[float, float]:
-    import psutil
-
-    pss = uss = 0.0
-    for pid in pids:
-        try:
-            full = psutil.Process(pid).memory_full_info()
-            pss, uss = pss + getattr(full, "pss", 0) / 2**20, uss + full.uss / 2**20
-        except (psutil.Error, OSError):
-            continue
-    return pss, uss
-
-
-def rank_main(
-    system: str, rank: int, world: int, port: int, cfg: dict[str, Any], out: Any
-) -> None:
-    import psutil
-    import torch
-    import torch.distributed as dist
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    pre = PREPROCESS[cfg["dataset"]]
-    urls, opts = cfg["urls"], cfg["storage_options"]
-    workers = cfg["workers"]
-    collate = list
-    if system == "shardcache":
-        import ray
-
-        from shardcache import DistributedCachedDataset
-
-        ray.init(address=cfg["ray_address"], log_to_driver=False, logging_level="ERROR")
-        ds = DistributedCachedDataset(
-            cfg["prefix"],
-            preprocess=pre,
-            storage_options=opts,
-            redis_url=cfg["redis_url"],
-            name=f"bench-{cfg['dataset']}",
-            namespace=cfg["namespace"],
-            shuffle=True,
-            seed=0,
-        )
-        loader = DataLoader(
-            ds, batch_size=cfg["batch_size"], sampler=ds.sampler, collate_fn=collate
-        )
-        set_epoch = ds.set_epoch
-    else:
-        from systems import ManagerDictDataset, PlainS3Dataset, SimpleCacheDataset
-
-        if system == "plain":
-            ds = PlainS3Dataset(urls, opts, pre)
-        elif system == "simplecache":
-            ds = SimpleCacheDataset(
-                urls, opts, pre, cache_dir=f"{cfg['tmp']}/simplecache-node{rank}"
-            )
-        else:
-            import multiprocessing as mp
-
-            ds = ManagerDictDataset(urls, opts, pre, mp.Manager().dict())
-        sampler = DistributedSampler(
-            ds, num_replicas=world, rank=rank, shuffle=True, seed=0
-        )
-        loader = DataLoader(
-            ds,
-            batch_size=cfg["batch_size"],
-            sampler=sampler,
-            collate_fn=collate,
-            num_workers=workers,
-            persistent_workers=workers > 0,
-            multiprocessing_context="fork" if workers else None,
-        )
-        set_epoch = sampler.set_epoch
-    me = psutil.Process()
-    for epoch in range(cfg["epochs"]):
-        set_epoch(epoch)
-        dist.barrier()
-        waits, n, delivered = [], 0, 0
-        started = last = time.perf_counter()
-        first = None
-        for batch in loader:
-            now = time.perf_counter()
-            waits.append(now - last)
-            first = first if first is not None else now - started
-            n += len(batch)
-            delivered += sum(int(t.numel() * t.element_size()) for t in batch)
-            time.sleep(cfg["step_ms"] / 1000)
-            dist.all_reduce(torch.ones(1))
-            last = time.perf_counter()
-        elapsed = time.perf_counter() - started
-        pids = [me.pid] + [c.pid for c in me.children(recursive=True)]
-        pss, uss = _pss_uss_mb(pids)
-        w = np.asarray(waits) * 1000
-        out.put(
-            {
-                "system": system,
-                "rank": rank,
-                "epoch": epoch,
-                "samples": n,
-                "seconds": elapsed,
-                "samples_per_s": n / elapsed,
-                "first_batch_s": first,
-                "wait_p50_ms": float(np.percentile(w, 50)),
-                "wait_p99_ms": float(np.percentile(w, 99)),
-                "wait_mean_ms": float(w.mean()),
-                # Loader-only delivery: tensor bytes over the time the loop waited.
-                "delivered_bytes": delivered,
-                "delivery_gbps": delivered / max(float(w.sum()) / 1000, 1e-9) / 1e9,
-                "pss_mb": pss,
-                "uss_mb": uss,
-            }
-        )
-        dist.barrier()
-    dist.destroy_process_group()
+    out.put(run_torch_rank(system, rank, cfg))
 
 
 def memcpy_gbps(nbytes_per_sample: int, samples: int) -> float:
@@ -182,17 +66,19 @@ def memcpy_gbps(nbytes_per_sample: int, samples: int) -> float:
     return src.nbytes / best / 1e9
 
 
-def run_system(system: str, cfg: dict[str, Any], emulator: Any) -> list[dict[str, Any]]:
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_processes(system: str, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
 
-    emulator.reset_counts()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     procs = [
-        ctx.Process(target=rank_main, args=(system, r, cfg["world"], port, cfg, out))
+        ctx.Process(target=_torch_rank, args=(system, r, cfg, out))
         for r in range(cfg["world"])
     ]
     for p in procs:
@@ -201,7 +87,7 @@ def run_system(system: str, cfg: dict[str, Any], emulator: Any) -> list[dict[str
     deadline = time.monotonic() + 1800
     while len(rows) < cfg["world"] * cfg["epochs"]:
         try:
-            rows.append(out.get(timeout=5))
+            rows += out.get(timeout=5)
         except queue.Empty as exc:
             failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
             if failed or time.monotonic() > deadline:
@@ -212,10 +98,104 @@ def run_system(system: str, cfg: dict[str, Any], emulator: Any) -> list[dict[str
                 ) from exc
     for p in procs:
         p.join(timeout=120)
+    return rows
+
+
+def _ray_data_splits(cfg: dict[str, Any]) -> tuple[list[Any], float]:
+    """read_binary_files + map(preprocess) + materialize(), split per rank."""
+    import pyarrow.fs
+    import ray
+
+    from ranks import PREPROCESS
+
+    pre = PREPROCESS[cfg["dataset"]]
+    endpoint = cfg["endpoint"]
+    fs = pyarrow.fs.S3FileSystem(
+        access_key="testing",
+        secret_key="testing",
+        endpoint_override=endpoint.split("://", 1)[1],
+        scheme="http",
+        region="us-east-1",
+    )
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    started = time.perf_counter()
+    ds = (
+        ray.data.read_binary_files(cfg["prefix"].removeprefix("s3://"), filesystem=fs)
+        .map(lambda row: {"x": pre(row["bytes"])})
+        .materialize()
+    )
+    return ds.streaming_split(cfg["world"], equal=True), time.perf_counter() - started
+
+
+def _run_ray_ranks(system: str, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    import ray
+
+    from ranks import RayRank
+
+    env = {"SHARDCACHE_" + k.upper(): str(v) for k, v in cfg["store_env"].items()}
+    splits: list[Any] = [None] * cfg["world"]
+    if system == "ray_data":
+        splits, cfg["prepare_s"] = _ray_data_splits(cfg)
+    actor = ray.remote(RayRank)
+    ranks = [
+        actor.options(
+            num_cpus=0,
+            resources={f"node{r // RANKS_PER_NODE}": 0.01},
+            runtime_env={"env_vars": env},
+        ).remote(env)
+        for r in range(cfg["world"])
+    ]
+    try:
+        per_rank = ray.get(
+            [a.run.remote(system, r, cfg, splits[r]) for r, a in enumerate(ranks)],
+            timeout=1800,
+        )
+    finally:
+        for a in ranks:
+            ray.kill(a)
+    return [row for rows in per_rank for row in rows]
+
+
+def run_system(system: str, cfg: dict[str, Any], emulator: Any) -> list[dict[str, Any]]:
+    emulator.reset_counts()
+    cfg = {**cfg, "port": _free_port(), "prepare_s": 0.0, "prepare_gets": 0}
+    if system == "litdata":
+        import s3fs
+
+        from systems import litdata_convert
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **cfg["storage_options"])
+        started = time.perf_counter()
+        cfg["litdata_prefix"] = litdata_convert(cfg, fs)
+        cfg["prepare_s"] = time.perf_counter() - started
+        cfg["prepare_gets"] = emulator.total_gets
+    if system in RAY_SYSTEMS:
+        rows = _run_ray_ranks(system, cfg)
+    else:
+        rows = _run_processes(system, cfg)
     gets = emulator.total_gets
     for r in rows:
+        # Every GET of the job, conversion included; prepare_* is reported apart.
         r["gets_per_object"] = gets / len(cfg["urls"])
+        r["prepare_s"], r["prepare_gets"] = cfg["prepare_s"], cfg["prepare_gets"]
+        if r["epoch"] == 0:
+            # A system that converts or materialises first pays for it in epoch 1.
+            r["seconds"] += cfg["prepare_s"]
+            r["first_batch_s"] += cfg["prepare_s"]
+            r["samples_per_s"] = r["samples"] / r["seconds"]
     return rows
+
+
+def _scenario_env(system: str, dataset: str, values_bytes: int) -> dict[str, Any]:
+    """Store settings of a scenario: a per-node budget of half its share of values."""
+    if system in ("shardcache_lru50", "shardcache_static50"):
+        return {
+            "cache_bytes": values_bytes // (2 * NODES),
+            "eviction": "static" if "static" in system else "lru",
+            # The rank pins nothing, so the store's budget is all there is.
+            "hold_bytes": 0,
+        }
+    return {}
 
 
 def main() -> None:
@@ -226,13 +206,14 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=1500)
     ap.add_argument("--blobs", type=int, default=4000)
     ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--image-px", type=int, default=470, help="JPEG side in pixels")
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
     ap.add_argument(
         "--profile",
         default="s3-standard",
         choices=["none", "s3-standard", "slow", "express"],
     )
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", default=",".join(SYSTEMS + SCENARIOS))
     args = ap.parse_args()
     if args.quick:
         args.images, args.blobs, args.reps = 200, 600, 1
@@ -240,9 +221,11 @@ def main() -> None:
     import ray
     import s3fs
 
-    from shardcache.embedded import start_redis_server
+    from shardcache.embedded import start_loopback_cluster, start_redis_server
     from shardcache_server.datagen import upload_blobs, upload_images
     from shardcache_server.emulator import LATENCY_PROFILES, S3Emulator
+
+    from ranks import IMAGE_PX
 
     systems = args.systems.split(",")
     tmp = tempfile.mkdtemp(prefix="shardcache-bench-")
@@ -250,58 +233,73 @@ def main() -> None:
     emulator = S3Emulator().start()
     fs = s3fs.S3FileSystem(skip_instance_cache=True, **emulator.storage_options())
     fs.mkdir("bench")
-    print(
-        f"generating {args.images} JPEGs (~100 KB) and {args.blobs} 4 KB blobs ...",
-        flush=True,
-    )
-    upload_images(fs, "bench/images", args.images, size=320, fmt="JPEG")
+    print(f"generating {args.images} JPEGs and {args.blobs} 4 KB blobs ...", flush=True)
+    upload_images(fs, "bench/images", args.images, size=args.image_px, fmt="JPEG")
     upload_blobs(fs, "bench/blobs", args.blobs, 4096)
+    counts = {"images": args.images, "blobs": args.blobs}
     sizes = {"images": fs.du("bench/images") / args.images, "blobs": 4096}
+    value_bytes = {"images": IMAGE_PX * IMAGE_PX * 3, "blobs": 4096}  # preprocessed
     emulator.set_faults(LATENCY_PROFILES[args.profile])
-    ray.init(
-        address="local",  # always a private cluster, never a running one
-        num_cpus=2,
-        object_store_memory=1024 * 2**20,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level="ERROR",
-    )
+    # 2 Ray nodes on this machine, 2 ranks each (ray.cluster_utils.Cluster).
+    cluster = start_loopback_cluster(NODES, 512 * 2**20)
+    ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
     results: list[dict[str, Any]] = []
     try:
         for rep in range(args.reps):
-            for dataset, _count in (("images", args.images), ("blobs", args.blobs)):
+            for dataset in ("images", "blobs"):
                 prefix = f"s3://bench/{dataset}/"
                 urls = sorted(f"s3://{p}" for p in fs.find(prefix))
                 for system in systems:  # interleaved: every system once per repetition
+                    if system == "shardcache_changed1" and dataset != "blobs":
+                        continue  # rewriting a JPEG's bytes would not decode
                     cfg = {
                         "dataset": dataset,
                         "prefix": prefix,
                         "urls": urls,
                         "storage_options": emulator.storage_options(),
+                        "endpoint": emulator.endpoint_url,
                         "redis_url": redis_url,
-                        "namespace": f"bench{rep}",
-                        "ray_address": ray.get_runtime_context().gcs_address,
+                        # A fresh cache per run: every run starts cold.
+                        "namespace": f"bench{rep}{dataset[0]}{system.replace('_', '')}",
+                        "store_env": _scenario_env(
+                            system, dataset, value_bytes[dataset] * counts[dataset]
+                        ),
                         "epochs": args.epochs,
-                        "world": 2,
+                        "world": NODES * RANKS_PER_NODE,
+                        "ranks_per_node": RANKS_PER_NODE,
                         "batch_size": 32 if dataset == "images" else 128,
                         "workers": 2,
                         "step_ms": 2.0,
                         "tmp": tmp,
                     }
+                    if system == "shardcache_changed1":
+                        step = max(1, len(urls) // max(1, len(urls) // 100))
+                        cfg["change_urls"] = urls[::step][: max(1, len(urls) // 100)]
+                        cfg["change_before_epoch"] = args.epochs - 1
                     print(
-                        f"rep {rep} {dataset:6s} {system:12s} ...", end=" ", flush=True
+                        f"rep {rep} {dataset:6s} {system:20s} ...", end=" ", flush=True
                     )
                     t = time.perf_counter()
-                    rows = run_system(system, cfg, emulator)
+                    try:
+                        rows = run_system(system, cfg, emulator)
+                    except Exception as exc:  # one system failing must not sink the run
+                        print(f"FAILED: {type(exc).__name__}: {exc}", flush=True)
+                        results.append(
+                            {"rep": rep, "dataset": dataset, "system": system,
+                             "error": f"{type(exc).__name__}: {exc}"[:500]}
+                        )  # fmt: skip
+                        continue
                     for r in rows:
                         r.update({"rep": rep, "dataset": dataset})
                     results += rows
                     print(f"{time.perf_counter() - t:.0f}s", flush=True)
     finally:
         ray.shutdown()
+        cluster.shutdown()
         emulator.stop()
         redis_proc.terminate()
-    memcpy = {d: memcpy_gbps(int(sizes[d]), 1000) for d in sizes}
+    # memcpy of the bytes each system delivers (the preprocessed tensors).
+    memcpy = {d: memcpy_gbps(value_bytes[d], 1000) for d in value_bytes}
     report = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["scripts/bench.sh", *sys.argv[1:]]),
@@ -313,6 +311,7 @@ def main() -> None:
         "profile": args.profile,
         "object_bytes": sizes,
         "memcpy_gbps": memcpy,
+        "layout": f"{NODES} Ray nodes x {RANKS_PER_NODE} ranks (gloo)",
         "rows": results,
     }
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")

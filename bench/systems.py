@@ -88,3 +88,79 @@ class ManagerDictDataset(PlainS3Dataset):
         value = self.preprocess(self._filesystem().cat_file(self.urls[i]))
         self.shared[i] = value
         return torch.from_numpy(value)
+
+
+def _litdata_item(cfg: dict[str, Any], i: int) -> dict[str, np.ndarray]:
+    import s3fs
+
+    from ranks import PREPROCESS
+
+    fs = s3fs.S3FileSystem(**cfg["storage_options"])
+    return {"x": PREPROCESS[cfg["dataset"]](fs.cat_file(cfg["urls"][i]))}
+
+
+def litdata_convert(cfg: dict[str, Any], fs: Any) -> str:
+    """LitData's ``optimize()``: read + preprocess every object once into chunks,
+    then upload them next to the source; returns the chunks' S3 prefix."""
+    import functools
+
+    from litdata import optimize
+
+    local = f"{cfg['tmp']}/litdata-{cfg['dataset']}"
+    optimize(
+        # Indices, not URLs: optimize() would try to download URL-looking inputs
+        # itself, with its own S3 client that does not know the emulator.
+        fn=functools.partial(_litdata_item, cfg),
+        inputs=list(range(len(cfg["urls"]))),
+        output_dir=local,
+        chunk_bytes="8MB",
+        num_workers=2,
+        verbose=False,
+        start_method="fork",
+    )
+    remote = f"bench/litdata-{cfg['dataset']}"
+    fs.put(local + "/", remote + "/", recursive=True)
+    return f"s3://{remote}"
+
+
+def litdata_loader(cfg: dict[str, Any], node: int, rank: int) -> Any:
+    """LitData's StreamingDataset over the uploaded chunks, cached on the node's disk."""
+    from litdata import StreamingDataLoader, StreamingDataset
+
+    _litdata_allow_http()
+
+    opts = cfg["storage_options"]
+    ds = StreamingDataset(
+        cfg["litdata_prefix"],
+        cache_dir=f"{cfg['tmp']}/litdata-cache-node{node}-rank{rank}",
+        shuffle=True,
+        seed=0,
+        storage_options={
+            "endpoint_url": opts["client_kwargs"]["endpoint_url"],
+            "aws_access_key_id": opts.get("key", "testing"),
+            "aws_secret_access_key": opts.get("secret", "testing"),
+        },
+    )
+    return StreamingDataLoader(
+        ds,
+        batch_size=cfg["batch_size"],
+        num_workers=cfg["workers"],
+        collate_fn=_litdata_collate,
+        worker_init_fn=_litdata_allow_http,
+        persistent_workers=cfg["workers"] > 0,
+    )
+
+
+def _litdata_allow_http(_worker_id: int = 0) -> None:
+    """The emulator speaks plain HTTP; LitData's obstore client only allows
+    HTTPS unless told (real S3 needs no such option). Set in every process."""
+    from litdata.streaming import downloader
+
+    downloader._OBSTORE_CLIENT_OPTIONS = {
+        **downloader._OBSTORE_CLIENT_OPTIONS,
+        "allow_http": True,
+    }
+
+
+def _litdata_collate(items: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
+    return [torch.from_numpy(i["x"]) for i in items]

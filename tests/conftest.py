@@ -102,24 +102,10 @@ def bucket(s3fs_client: Any) -> str:
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """Two Ray nodes on 127.0.0.1 (token authentication on, as Ray 2.60 defaults)."""
     import ray
-    from ray.cluster_utils import Cluster
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    node_args = {
-        "num_cpus": 2,
-        "object_store_memory": OBJECT_STORE_BYTES,
-        "node_ip_address": "127.0.0.1",
-    }
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            **node_args,
-            "include_dashboard": False,
-            "resources": {"node0": 1},
-        },
-    )
-    cluster.add_node(**node_args, resources={"node1": 1})
-    cluster.wait_for_nodes()
+    from shardcache.embedded import start_loopback_cluster
+
+    cluster = start_loopback_cluster(2, OBJECT_STORE_BYTES)
     ray.init(address=cluster.address, log_to_driver=False, logging_level="WARNING")
     yield cluster
     ray.shutdown()

@@ -26,6 +26,9 @@ __all__ = [
     "attach_ray",
     "find_redis_server",
     "local_redis_url",
+    "free_port",
+    "start_loopback_cluster",
+    "start_redis_server",
     "state_dir",
     "stop_local",
 ]
@@ -200,6 +203,35 @@ def attach_ray(address: str | None, *, namespace: str | None = None) -> None:
             )
         (home / "ray.json").write_text(json.dumps({"started": time.time()}))
         ray.init(address="auto", **kwargs)
+
+
+def start_loopback_cluster(nodes: int, object_store_bytes: int) -> Any:
+    """Start ``nodes`` Ray nodes on 127.0.0.1 (``ray.cluster_utils.Cluster``).
+
+    Node ``i`` carries the custom resource ``node{i}``, so actors can be placed
+    on it. For tests and benchmarks on one machine; token auth stays on.
+    Returns the cluster; ``ray.init(address=cluster.address)`` joins it.
+    """
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    node_args = {
+        "num_cpus": 2,
+        "object_store_memory": object_store_bytes,
+        "node_ip_address": "127.0.0.1",
+    }
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            **node_args,
+            "include_dashboard": False,
+            "resources": {"node0": 1},
+        },
+    )
+    for n in range(1, nodes):
+        cluster.add_node(**node_args, resources={f"node{n}": 1})
+    cluster.wait_for_nodes()
+    return cluster
 
 
 def stop_local() -> list[str]:

@@ -210,6 +210,27 @@ end
 return n
 """
 
+# Drop entries whose recorded ETag differs from the listing's, atomically, so
+# ranks refreshing at once cannot delete an entry another store just recorded
+# for the new version.
+# KEYS[1] entries hash, KEYS[2] owners hash; ARGV: path1, etag1, path2, etag2, ...
+# Returns the paths dropped.
+_DROP_CHANGED = """
+local changed = {}
+for i = 1, #ARGV, 2 do
+  local raw = redis.call('HGET', KEYS[1], ARGV[i])
+  if raw then
+    local ok, entry = pcall(cjson.decode, raw)
+    if not ok or type(entry) ~= 'table' or tostring(entry['etag']) ~= ARGV[i + 1] then
+      redis.call('HDEL', KEYS[1], ARGV[i])
+      redis.call('HDEL', KEYS[2], ARGV[i])
+      changed[#changed + 1] = ARGV[i]
+    end
+  end
+end
+return changed
+"""
+
 
 class RedisIndex:
     """Typed access to one deployment's keys in Redis.
@@ -231,6 +252,7 @@ class RedisIndex:
         self._claim = client.register_script(_CLAIM)
         self._cas = client.register_script(_CAS)
         self._release = client.register_script(_RELEASE)
+        self._drop_changed = client.register_script(_DROP_CHANGED)
 
     @classmethod
     def from_url(cls, url: str, namespace: str = keys.DEFAULT_NAMESPACE) -> RedisIndex:
@@ -350,19 +372,30 @@ class RedisIndex:
     def invalidate_changed(
         self, name: str, generation: int, current: Mapping[str, str]
     ) -> list[str]:
-        """Drop entries whose recorded ETag differs from ``current`` (path -> etag)."""
-        cached = self.entries(name, generation, current.keys())
-        changed = [p for p, e in cached.items() if str(e.get("etag")) != current[p]]
+        """Drop entries whose recorded ETag differs from ``current`` (path -> etag).
+
+        Returns the paths dropped. Stores are told the new ETags, so a store
+        evicts only values of the old version, never one it fetched after.
+        """
+        ekey = keys.entries_key(self.ns, name, generation)
+        okey = keys.owners_key(self.ns, name, generation)
+        items = list(current.items())
+        changed: list[str] = []
+        with self.errors():
+            for i in range(0, len(items), _CHUNK):
+                argv = [x for pair in items[i : i + _CHUNK] for x in pair]
+                changed += self._drop_changed(keys=[ekey, okey], args=argv)
         if changed:
             pipe = self.client.pipeline(transaction=True)
-            for i in range(0, len(changed), _CHUNK):
-                chunk = changed[i : i + _CHUNK]
-                pipe.hdel(keys.entries_key(self.ns, name, generation), *chunk)
-                pipe.hdel(keys.owners_key(self.ns, name, generation), *chunk)
             pipe.publish(
                 keys.invalidation_channel(self.ns),
                 json.dumps(
-                    {"dataset": name, "generation": generation, "paths": changed}
+                    {
+                        "dataset": name,
+                        "generation": generation,
+                        "paths": changed,
+                        "etags": {p: current[p] for p in changed},
+                    }
                 ),
             )
             self._event(

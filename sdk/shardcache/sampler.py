@@ -67,8 +67,20 @@ class ShardSampler(Sampler[int]):
         self.epoch = int(epoch)
 
     def order(self, epoch: int | None = None) -> np.ndarray:
-        """The full order of ``epoch`` (default: the current one)."""
+        """The full order of ``epoch`` (default: the current one), read-only.
+
+        Computed once per epoch: the prefetcher asks for it on every batch.
+        """
         e = self.epoch if epoch is None else epoch
+        cached = getattr(self, "_order_cache", None)
+        if cached is not None and cached[0] == e:
+            return cached[1]
+        order = self._compute_order(e)
+        order.flags.writeable = False
+        self._order_cache = (e, order)
+        return order
+
+    def _compute_order(self, e: int) -> np.ndarray:
         if self.mode == "global":
             return global_order(
                 self.n,

@@ -551,8 +551,15 @@ class CacheShard:
             log.warning("ignoring malformed invalidation message")
             return
         if msg.get("paths"):
+            # Evict only the old version: a value fetched after the change
+            # (same URL, the new ETag) stays.
+            etags = msg.get("etags") or {}
             paths = set(msg["paths"])
-            for k in [k for k in self._table if k[0] == dataset and k[1] in paths]:
+            for k in [
+                k
+                for k, c in self._table.items()
+                if k[0] == dataset and k[1] in paths and c.etag != etags.get(k[1])
+            ]:
                 self._evict_local(k)
         else:
             self._advance(dataset, generation)

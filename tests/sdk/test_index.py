@@ -53,6 +53,24 @@ def test_index_invalidate_changed_drops_exactly_changed_keys(index):
     assert sorted(index.entries("ds", 1)) == ["a", "c"]
 
 
+def test_index_refresh_racing_a_refetch_keeps_the_new_version(index):
+    index.register("ds", "s3://b/", "fp", 1, 1)
+    index.record_entries("ds", 1, {"a": {"etag": "old"}})
+    pubsub = index.client.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(keys.invalidation_channel(index.ns))
+    assert pubsub.get_message(timeout=2) is None  # consumes the subscribe reply
+    # Rank 0 refreshes, its store re-fetches and records the new version ...
+    assert index.invalidate_changed("ds", 1, {"a": "new"}) == ["a"]
+    index.record_entries("ds", 1, {"a": {"etag": "new"}})
+    # ... then rank 1 refreshes with the same listing: nothing left to drop.
+    assert index.invalidate_changed("ds", 1, {"a": "new"}) == []
+    assert index.entries("ds", 1)["a"]["etag"] == "new"
+    msg = pubsub.get_message(timeout=2)
+    # Stores learn the new ETag, so they evict only the old version's value.
+    assert json.loads(msg["data"])["etags"] == {"a": "new"}
+    assert pubsub.get_message(timeout=0.5) is None
+
+
 def test_index_claim_gives_one_owner_and_takeover_needs_expected_owner(index):
     assert index.claim_owners("ds", 1, ["k1", "k2"], "A/1") == ["A/1", "A/1"]
     assert index.claim_owners("ds", 1, ["k1", "k3"], "B/1") == ["A/1", "B/1"]
