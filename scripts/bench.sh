@@ -7,5 +7,9 @@ bash scripts/bootstrap.sh
 # torch stays pinned so no competitor pulls another build. Mosaic Streaming is
 # not installed: it imports torchvision, whose PyPI wheels fail against the CPU
 # torch here (bench/NOTES.md).
-.venv/bin/python -m pip install --quiet "matplotlib>=3.8" "litdata==0.2.76" "torch==2.13.0"
+# LitData goes in without its torchvision requirement for the same reason (the
+# code paths used here never import it).
+.venv/bin/python -m pip install --quiet "matplotlib>=3.8" "torch==2.13.0" \
+    boto3 filelock lightning-utilities obstore requests tifffile
+.venv/bin/python -m pip install --quiet --no-deps "litdata==0.2.76"
 exec .venv/bin/python bench/run.py "$@"

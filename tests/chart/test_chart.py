@@ -225,6 +225,47 @@ def test_external_redis_renders_no_statefulset_when_external_set():
     assert refs and all(r["key"] == "redis-url" for r in refs)
 
 
+def _pod_specs(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = obj.get("spec", {})
+    if obj["kind"] == "RayCluster":
+        groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+        return [g["template"]["spec"] for g in groups]
+    return [spec.get("template", {}).get("spec") or spec]
+
+
+@pytest.mark.parametrize("kuberay", [False, True])
+def test_redis_ca_secret_is_mounted_wherever_redis_is_used(kuberay):
+    external = {"existingSecret": "team-redis", "caSecret": "team-ca"}
+    objs = objects(
+        {
+            "redis": {"enabled": False, "external": external},
+            "kuberay": {"enabled": kuberay},
+        }
+    )
+    users = 0
+    for obj in objs:
+        for pod in _pod_specs(obj):
+            for c in pod.get("containers", []):
+                if not any(
+                    e["name"] == "SHARDCACHE_REDIS_URL" for e in c.get("env", [])
+                ):
+                    continue
+                users += 1
+                mounts = {m["name"]: m for m in c.get("volumeMounts", [])}
+                assert mounts["redis-ca"]["mountPath"] == "/etc/shardcache/redis-ca"
+                assert mounts["redis-ca"]["readOnly"] is True
+                volumes = {v["name"]: v for v in pod["volumes"]}
+                assert volumes["redis-ca"]["secret"]["secretName"] == "team-ca"
+    assert users >= 4  # Ray head, store controller, cache workers, dashboard
+    plain = objects({"redis": {"enabled": False, "external": {"existingSecret": "r"}}})
+    assert not any(
+        v["name"] == "redis-ca"
+        for o in plain
+        for pod in _pod_specs(o)
+        for v in pod.get("volumes", [])
+    )
+
+
 def test_network_policy_limits_ingress_to_own_pods_and_training_namespaces():
     pols = [
         o

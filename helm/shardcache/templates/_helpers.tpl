@@ -106,3 +106,21 @@ app.kubernetes.io/component: {{ .component }}
 {{- fail (printf "\nVALUES VALIDATION:\n%s" (join "\n" $messages)) }}
 {{- end }}
 {{- end }}
+
+{{/*
+A private CA for an external rediss:// Redis: mounted read-only where every
+process that talks to Redis can read it; the URL names it with
+?ssl_ca_certs=/etc/shardcache/redis-ca/ca.crt (redis-py's URL option).
+*/}}
+{{- define "shardcache.redisCaMount" -}}
+{{- if .Values.redis.external.caSecret }}
+- {name: redis-ca, mountPath: /etc/shardcache/redis-ca, readOnly: true}
+{{- end }}
+{{- end }}
+
+{{- define "shardcache.redisCaVolume" -}}
+{{- if .Values.redis.external.caSecret }}
+- name: redis-ca
+  secret: {secretName: {{ .Values.redis.external.caSecret | quote }}, items: [{key: ca.crt, path: ca.crt}]}
+{{- end }}
+{{- end }}
