@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -502,6 +502,23 @@ class RedisIndex:
             return HitStats.from_hash(
                 self.client.hgetall(keys.stats_key(self.ns, name))
             )
+
+    def entry_count(self, name: str, generation: int) -> int:
+        """How many objects of ``generation`` are cached (one ``HLEN``)."""
+        with self.errors():
+            return int(self.client.hlen(keys.entries_key(self.ns, name, generation)))
+
+    def node_stats_many(
+        self, names: Sequence[str], node_ids: Sequence[str]
+    ) -> dict[tuple[str, str], HitStats]:
+        """Counters of every (dataset, node) pair in one pipelined round trip."""
+        pairs = [(n, node) for n in names for node in node_ids]
+        pipe = self.client.pipeline(transaction=False)
+        for n, node in pairs:
+            pipe.hgetall(keys.stats_node_key(self.ns, n, node))
+        with self.errors():
+            raw = pipe.execute()
+        return {pair: HitStats.from_hash(h) for pair, h in zip(pairs, raw, strict=True)}
 
     def node_stats(self, name: str, node_id: str) -> HitStats:
         with self.errors():

@@ -30,6 +30,7 @@ __all__ = ["create_app", "dataset_overview", "serve"]
 DEFAULT_WINDOW_S = 3600  # the chart shows the last hour unless asked otherwise
 MAX_WINDOW_S = 2 * 24 * 3600  # as far back as the series is kept
 GENERATIONS_SHOWN = 5  # the cost of the last few version bumps
+EXACT_BYTES_MAX_ENTRIES = 50_000  # above this, cached bytes are estimated per poll
 _PAGE = (Path(__file__).parent / "static" / "dashboard.html").read_text
 
 
@@ -39,8 +40,16 @@ def dataset_overview(index: RedisIndex, name: str) -> dict[str, Any] | None:
     if record is None:
         return None
     stats = index.stats(name)
-    entries = index.entries(name, record.generation)
-    cached_bytes = sum(int(e.get("size", 0)) for e in entries.values())
+    cached = index.entry_count(name, record.generation)
+    # Summing sizes reads every entry: fine for small datasets, too much on
+    # every 5 s poll at millions of objects, where the mean size stands in.
+    if cached <= EXACT_BYTES_MAX_ENTRIES:
+        entries = index.entries(name, record.generation)
+        cached_bytes = sum(int(e.get("size", 0)) for e in entries.values())
+        bytes_estimated = False
+    else:
+        cached_bytes = int(cached * record.total_bytes / max(record.objects, 1))
+        bytes_estimated = True
     served = stats.hits + stats.misses
     generations = [
         {"generation": g, **_counts(index.generation_stats(name, g))}
@@ -56,9 +65,10 @@ def dataset_overview(index: RedisIndex, name: str) -> dict[str, Any] | None:
         "created_at": record.created_at,
         "invalidated_at": record.invalidated_at,
         "objects_total": record.objects,
-        "objects_cached": len(entries),
+        "objects_cached": cached,
         "bytes_total": record.total_bytes,
         "bytes_cached": cached_bytes,
+        "bytes_cached_estimated": bytes_estimated,
         "hits": stats.hits,
         "misses": stats.misses,
         "hit_rate": stats.hit_rate,
@@ -84,10 +94,12 @@ def _nodes(index: RedisIndex) -> list[dict[str, Any]]:
     out = []
     now = time.time()
     datasets = index.datasets()
-    for node, info in sorted(index.stores().items()):
+    stores = index.stores()
+    per_pair = index.node_stats_many(datasets, list(stores))
+    for node, info in sorted(stores.items()):
         hits = misses = evictions = 0
         for ds in datasets:
-            s = index.node_stats(ds, node)
+            s = per_pair[(ds, node)]
             hits, misses, evictions = (
                 hits + s.hits,
                 misses + s.misses,

@@ -85,6 +85,23 @@ def test_dashboard_overview_matches_redis(filled, redis_url):
     )
 
 
+def test_dashboard_estimates_cached_bytes_past_the_exact_limit(
+    filled, redis_url, monkeypatch
+):
+    import shardcache_server.dashboard as dashboard
+
+    ns, index = filled
+    exact = TestClient(create_app(redis_url, ns)).get("/api/overview").json()
+    monkeypatch.setattr(dashboard, "EXACT_BYTES_MAX_ENTRIES", 0)
+    (ds,) = (
+        TestClient(create_app(redis_url, ns)).get("/api/overview").json()["datasets"]
+    )
+    record = index.dataset("images")
+    assert ds["bytes_cached_estimated"] and ds["objects_cached"] == 8
+    assert ds["bytes_cached"] == 8 * record.total_bytes // record.objects
+    assert not exact["datasets"][0]["bytes_cached_estimated"]
+
+
 def test_dashboard_series_chart_ranks_events_metrics(filled, redis_url):
     ns, index = filled
     client = TestClient(create_app(redis_url, ns))
