@@ -187,14 +187,19 @@ end
 return out
 """
 
-# KEYS[1] owners hash; ARGV[1] path, ARGV[2] expected owner, ARGV[3] new owner
+# KEYS[1] owners hash; ARGV[1] expected owner, ARGV[2] new owner, ARGV[3..] paths.
+# Returns the owner of each path afterwards.
 _CAS = """
-local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if cur == ARGV[2] or cur == false then
-  redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
-  return ARGV[3]
+local out = {}
+for i = 3, #ARGV do
+  local cur = redis.call('HGET', KEYS[1], ARGV[i])
+  if cur == ARGV[1] or cur == false then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[2])
+    cur = ARGV[2]
+  end
+  out[#out + 1] = cur
 end
-return cur
+return out
 """
 
 # KEYS[1] owners hash, KEYS[2] entries hash; ARGV[1] owner, ARGV[2..] paths
@@ -422,16 +427,18 @@ class RedisIndex:
             )
 
     def take_over(
-        self, name: str, generation: int, path: str, expected: str, me: str
-    ) -> str:
-        """Move ownership from a dead ``expected`` owner to ``me``; returns the owner."""
+        self, name: str, generation: int, paths: Sequence[str], expected: str, me: str
+    ) -> list[str]:
+        """Move ownership of ``paths`` from a dead ``expected`` owner (or none) to
+        ``me``, in one round trip per chunk; returns each path's owner after."""
+        owners: list[str] = []
         with self.errors():
-            return str(
-                self._cas(
+            for i in range(0, len(paths), _CHUNK):
+                owners += self._cas(
                     keys=[keys.owners_key(self.ns, name, generation)],
-                    args=[path, expected, me],
+                    args=[expected, me, *paths[i : i + _CHUNK]],
                 )
-            )
+        return [str(o) for o in owners]
 
     def release(self, name: str, generation: int, paths: list[str], me: str) -> int:
         """Forget entries and claims ``me`` holds (eviction, failed fetch)."""

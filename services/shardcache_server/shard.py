@@ -355,17 +355,20 @@ class CacheShard:
             self._index_dirty = True
             return urls, {}
         mine, remote = [], defaultdict(list)
+        inherited: dict[str, list[str]] = defaultdict(list)
         for url, owner in zip(urls, owners, strict=False):
             node = owner.split("/", 1)[0]
             if owner == self.me:
                 mine.append(url)
             elif node == self.node_id:  # an earlier incarnation of this store
-                await asyncio.to_thread(
-                    self._index.take_over, dataset, generation, url, owner, self.me
-                )
-                mine.append(url)
+                inherited[owner].append(url)
             else:
                 remote[owner].append(url)
+        for owner, paths in inherited.items():
+            await asyncio.to_thread(
+                self._index.take_over, dataset, generation, paths, owner, self.me
+            )
+            mine += paths
         return mine, remote
 
     async def _forward(
@@ -405,10 +408,14 @@ class CacheShard:
                 results = None
         if results is None:
             assert self._index is not None
-            for url, _, _ in items:
-                await asyncio.to_thread(
-                    self._index.take_over, ds.name, generation, url, owner, self.me
-                )
+            await asyncio.to_thread(
+                self._index.take_over,
+                ds.name,
+                generation,
+                [url for url, _, _ in items],
+                owner,
+                self.me,
+            )
             await asyncio.gather(*(self._load(ds, generation, it) for it in items))
             return
         for (url, etag, _), res in zip(items, results, strict=False):
@@ -653,10 +660,9 @@ class CacheShard:
             if await asyncio.to_thread(self._index.generation, ds) != gen:
                 continue
             await asyncio.to_thread(self._index.record_entries, ds, gen, entries)
-            for url in entries:
-                await asyncio.to_thread(
-                    self._index.take_over, ds, gen, url, "", self.me
-                )
+            await asyncio.to_thread(
+                self._index.take_over, ds, gen, list(entries), "", self.me
+            )
         self._index_dirty = False
 
 

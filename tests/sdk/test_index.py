@@ -74,11 +74,17 @@ def test_index_refresh_racing_a_refetch_keeps_the_new_version(index):
 def test_index_claim_gives_one_owner_and_takeover_needs_expected_owner(index):
     assert index.claim_owners("ds", 1, ["k1", "k2"], "A/1") == ["A/1", "A/1"]
     assert index.claim_owners("ds", 1, ["k1", "k3"], "B/1") == ["A/1", "B/1"]
-    assert (
-        index.take_over("ds", 1, "k1", "X/9", "B/1") == "A/1"
-    )  # wrong expectation: no change
-    assert index.take_over("ds", 1, "k1", "A/1", "B/1") == "B/1"
-    assert index.release("ds", 1, ["k1", "k2"], "B/1") == 1
+    assert index.take_over("ds", 1, ["k1"], "X/9", "B/1") == [
+        "A/1"
+    ]  # wrong expectation: no change
+    assert index.take_over("ds", 1, ["k1"], "A/1", "B/1") == ["B/1"]
+    # Many paths in one call: unowned ones are taken, others' kept.
+    assert index.take_over("ds", 1, ["k1", "k2", "k9"], "B/1", "C/1") == [
+        "C/1",
+        "A/1",
+        "C/1",
+    ]
+    assert index.release("ds", 1, ["k1", "k2"], "C/1") == 1
 
 
 def test_index_skips_malformed_entries_written_by_others(index, redis):
