@@ -11,6 +11,7 @@ fixed sleep plus an all-reduce, so ranks run in lockstep and stragglers show.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -213,6 +214,12 @@ def main() -> None:
         default="s3-standard",
         choices=["none", "s3-standard", "slow", "express"],
     )
+    ap.add_argument(
+        "--bandwidth-mb-s",
+        type=float,
+        default=0.0,
+        help="cap each GET's body rate, MB/s per connection (0: no cap)",
+    )
     ap.add_argument("--systems", default=",".join(SYSTEMS + SCENARIOS))
     args = ap.parse_args()
     if args.quick:
@@ -239,7 +246,12 @@ def main() -> None:
     counts = {"images": args.images, "blobs": args.blobs}
     sizes = {"images": fs.du("bench/images") / args.images, "blobs": 4096}
     value_bytes = {"images": IMAGE_PX * IMAGE_PX * 3, "blobs": 4096}  # preprocessed
-    emulator.set_faults(LATENCY_PROFILES[args.profile])
+    emulator.set_faults(
+        dataclasses.replace(
+            LATENCY_PROFILES[args.profile],
+            bandwidth_bytes_per_s=args.bandwidth_mb_s * 1e6,
+        )
+    )
     # 2 Ray nodes on this machine, 2 ranks each (ray.cluster_utils.Cluster).
     cluster = start_loopback_cluster(NODES, 512 * 2**20)
     ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
@@ -309,6 +321,7 @@ def main() -> None:
             "python": platform.python_version(),
         },
         "profile": args.profile,
+        "bandwidth_mb_s": args.bandwidth_mb_s,
         "object_bytes": sizes,
         "memcpy_gbps": memcpy,
         "layout": f"{NODES} Ray nodes x {RANKS_PER_NODE} ranks (gloo)",

@@ -14,7 +14,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -38,6 +38,8 @@ class FaultPlan:
         truncate_rate: share of GETs whose body is cut in half (corruption).
         latency_median_s / latency_sigma: a seeded log-normal first-byte
             latency (a long tail, like S3): median and shape.
+        bandwidth_bytes_per_s: a cap on each GET's body rate (one connection
+            each), ``0`` for none.
         seed: the random stream deciding which requests fail.
     """
 
@@ -47,6 +49,7 @@ class FaultPlan:
     truncate_rate: float = 0.0
     latency_median_s: float = 0.0
     latency_sigma: float = 0.0
+    bandwidth_bytes_per_s: float = 0.0
     seed: int = 0
 
 
@@ -62,6 +65,23 @@ _ERROR_BODY = {
     503: b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>",
     500: b"<Error><Code>InternalError</Code><Message>We encountered an internal error.</Message></Error>",
 }
+
+
+_PACE_CHUNK_BYTES = 64 * 1024  # granularity of the bandwidth cap
+
+
+def _paced(body: Iterable[bytes], bytes_per_s: float) -> Iterator[bytes]:
+    """Yield ``body`` no faster than ``bytes_per_s`` (werkzeug serves each
+    connection in its own thread, so the cap is per connection)."""
+    started, sent = time.monotonic(), 0
+    for part in body:
+        for i in range(0, len(part), _PACE_CHUNK_BYTES):
+            chunk = part[i : i + _PACE_CHUNK_BYTES]
+            sent += len(chunk)
+            ahead = sent / bytes_per_s - (time.monotonic() - started)
+            if ahead > 0:
+                time.sleep(ahead)
+            yield chunk
 
 
 class S3Emulator:
@@ -186,6 +206,8 @@ class S3Emulator:
                 return [body]
             if truncate:
                 return self._truncated(app, environ, start_response)
+            if plan.bandwidth_bytes_per_s:
+                return _paced(app(environ, start_response), plan.bandwidth_bytes_per_s)
             return app(environ, start_response)
 
         return middleware
