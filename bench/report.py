@@ -51,6 +51,7 @@ def summarise(report: dict[str, Any]) -> dict[tuple[str, str], dict[str, list[fl
                 m["first_batch_s"].append(max(r["first_batch_s"] for r in ranks))
                 m["gets_per_object"].append(ranks[0]["gets_per_object"])
                 m["prepare_s"].append(ranks[0].get("prepare_s", 0.0))
+                m["storage_cpu_s"].append(ranks[0].get("storage_cpu_s", float("nan")))
                 continue
             m["warm_rank_sps"].append(
                 float(np.mean([r["samples_per_s"] for r in ranks]))
@@ -75,9 +76,21 @@ def summarise(report: dict[str, Any]) -> dict[tuple[str, str], dict[str, list[fl
 
 MAIN_HEADER = (
     "| system | epoch-1 samples/s | warm samples/s | warm per rank | first batch s | "
-    "prepare s | GETs/object | warm p50 ms | warm p99 ms | worst p99/p50 | rank spread | "
-    "PSS MB/rank | USS MB/rank | warm GB/s/rank | of memcpy |\n" + "|---" * 15 + "|"
+    "prepare s | GETs/object | storage CPU s | warm p50 ms | warm p99 ms | worst p99/p50 | rank spread | "
+    "PSS MB/rank | USS MB/rank | warm GB/s/rank | of memcpy |\n" + "|---" * 16 + "|"
 )
+
+
+def _calibration(report: dict[str, Any]) -> str:
+    cal = report.get("storage_calibration")
+    if not cal:
+        return ""
+    return (
+        f"moto alone (no latency model): {cal['sequential_get_ms_p50']:.1f} ms per "
+        f"sequential GET, {cal['concurrent16_gets_per_s']:.0f} GET/s with 16 clients, "
+        f"{cal['storage_cpu_ms_per_get']:.1f} ms of storage-side CPU per GET; "
+        "`storage CPU s` is that CPU over the whole job. "
+    )
 
 
 def _main_row(system: str, m: dict[str, list[float]]) -> str:
@@ -89,6 +102,7 @@ def _main_row(system: str, m: dict[str, list[float]]) -> str:
         _med(m["first_batch_s"]),
         _med(m["prepare_s"]),
         _med(m["gets_per_object"]),
+        _med(m["storage_cpu_s"]),
         _med(m["p50"]),
         _med(m["p99"]),
         _med(m["p99_over_p50"]),
@@ -113,7 +127,9 @@ def write_report(report: dict[str, Any], md_path: Path, png_path: Path) -> None:
         f"{layout}, step = 2 ms sleep + all-reduce. Medians over repetitions "
         f"(min-max). memcpy of the same bytes: "
         + ", ".join(f"{d} {g:.1f} GB/s" for d, g in report["memcpy_gbps"].items())
-        + ". `prepare s` is a conversion or materialisation step before training; it is"
+        + ". "
+        + _calibration(report)
+        + "`prepare s` is a conversion or materialisation step before training; it is"
         " included in epoch 1 and its GETs in GETs/object.",
         "",
     ]

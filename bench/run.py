@@ -67,6 +67,32 @@ def memcpy_gbps(nbytes_per_sample: int, samples: int) -> float:
     return src.nbytes / best / 1e9
 
 
+def calibrate_storage(emulator: Any, fs: Any, url: str) -> dict[str, float]:
+    """moto's own service time with no latency model: sequential GET time,
+    GET/s with 16 concurrent clients, and storage-side CPU per GET."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shardcache_server.emulator import FaultPlan
+
+    emulator.set_faults(FaultPlan())
+    fs.cat_file(url)  # warm the connection
+    times = []
+    for _ in range(100):
+        started = time.perf_counter()
+        fs.cat_file(url)
+        times.append(time.perf_counter() - started)
+    emulator.reset_counts()
+    started = time.perf_counter()
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda _: fs.cat_file(url), range(400)))
+    elapsed = time.perf_counter() - started
+    return {
+        "sequential_get_ms_p50": float(np.median(times) * 1000),
+        "concurrent16_gets_per_s": 400 / elapsed,
+        "storage_cpu_ms_per_get": emulator.cpu_s / max(emulator.total_gets, 1) * 1000,
+    }
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -174,8 +200,9 @@ def run_system(system: str, cfg: dict[str, Any], emulator: Any) -> list[dict[str
         rows = _run_ray_ranks(system, cfg)
     else:
         rows = _run_processes(system, cfg)
-    gets = emulator.total_gets
+    gets, storage_cpu_s = emulator.total_gets, emulator.cpu_s
     for r in rows:
+        r["storage_cpu_s"] = storage_cpu_s
         # Every GET of the job, conversion included; prepare_* is reported apart.
         r["gets_per_object"] = gets / len(cfg["urls"])
         r["prepare_s"], r["prepare_gets"] = cfg["prepare_s"], cfg["prepare_gets"]
@@ -246,6 +273,8 @@ def main() -> None:
     counts = {"images": args.images, "blobs": args.blobs}
     sizes = {"images": fs.du("bench/images") / args.images, "blobs": 4096}
     value_bytes = {"images": IMAGE_PX * IMAGE_PX * 3, "blobs": 4096}  # preprocessed
+    calibration = calibrate_storage(emulator, fs, f"s3://{fs.find('bench/images')[0]}")
+    print(f"storage calibration: {calibration}", flush=True)
     emulator.set_faults(
         dataclasses.replace(
             LATENCY_PROFILES[args.profile],
@@ -322,6 +351,7 @@ def main() -> None:
         },
         "profile": args.profile,
         "bandwidth_mb_s": args.bandwidth_mb_s,
+        "storage_calibration": calibration,
         "object_bytes": sizes,
         "memcpy_gbps": memcpy,
         "layout": f"{NODES} Ray nodes x {RANKS_PER_NODE} ranks (gloo)",
