@@ -12,9 +12,10 @@ import numpy as np
 
 
 def _med(values: list[float]) -> str:
-    if not values:
-        return "-"
     v = np.asarray(values, dtype=float)
+    v = v[~np.isnan(v)]
+    if not len(v):
+        return "-"
     if len(v) == 1:
         return f"{v[0]:,.1f}"
     return f"{np.median(v):,.1f} ({v.min():,.1f}-{v.max():,.1f})"
