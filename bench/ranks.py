@@ -95,6 +95,8 @@ def measure_epochs(
             dist.all_reduce(torch.ones(1))  # lockstep: a straggler shows
             last = time.perf_counter()
         elapsed = time.perf_counter() - started
+        if not waits:
+            raise RuntimeError(f"{system}: rank {rank} got no batch in epoch {epoch}")
         dist.barrier()
         pss, uss = _pss_uss_mb([me.pid] + [c.pid for c in me.children(recursive=True)])
         w = np.asarray(waits) * 1000
@@ -157,7 +159,11 @@ def run_torch_rank(system: str, rank: int, cfg: dict[str, Any]) -> list[dict[str
         ds = PlainS3Dataset(urls, opts, pre)
     elif system == "simplecache":
         ds = SimpleCacheDataset(
-            urls, opts, pre, cache_dir=f"{cfg['tmp']}/simplecache-node{node}"
+            # One cache directory per node and per run: every run starts cold.
+            urls,
+            opts,
+            pre,
+            cache_dir=f"{cfg['tmp']}/{cfg['namespace']}/sc-node{node}",
         )
     else:
         import multiprocessing as mp

@@ -189,6 +189,8 @@ def _plot(
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    if not datasets:
+        return
     fig, axes = plt.subplots(
         len(datasets), 3, figsize=(16, 4.2 * len(datasets)), squeeze=False
     )

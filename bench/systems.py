@@ -106,7 +106,7 @@ def litdata_convert(cfg: dict[str, Any], fs: Any) -> str:
 
     from litdata import optimize
 
-    local = f"{cfg['tmp']}/litdata-{cfg['dataset']}"
+    local = f"{cfg['tmp']}/litdata-out-{cfg['namespace']}"  # per run: starts cold
     optimize(
         # Indices, not URLs: optimize() would try to download URL-looking inputs
         # itself, with its own S3 client that does not know the emulator.
@@ -118,7 +118,7 @@ def litdata_convert(cfg: dict[str, Any], fs: Any) -> str:
         verbose=False,
         start_method="fork",
     )
-    remote = f"bench/litdata-{cfg['dataset']}"
+    remote = f"bench/litdata-{cfg['namespace']}"
     fs.put(local + "/", remote + "/", recursive=True)
     return f"s3://{remote}"
 
@@ -132,9 +132,12 @@ def litdata_loader(cfg: dict[str, Any], node: int, rank: int) -> Any:
     opts = cfg["storage_options"]
     ds = StreamingDataset(
         cfg["litdata_prefix"],
-        cache_dir=f"{cfg['tmp']}/litdata-cache-node{node}-rank{rank}",
+        cache_dir=f"{cfg['tmp']}/litdata-cache-{cfg['namespace']}-rank{rank}",
         shuffle=True,
         seed=0,
+        # drop_last stays at its distributed default (True): ranks must see
+        # equal batch counts to stay in lockstep, so LitData delivers a few
+        # fewer samples per epoch (rates count the samples delivered).
         storage_options={
             "endpoint_url": opts["client_kwargs"]["endpoint_url"],
             "aws_access_key_id": opts.get("key", "testing"),
