@@ -81,12 +81,16 @@ def measure_epochs(
     for epoch in range(cfg["epochs"]):
         before_epoch(epoch)
         dist.barrier()
-        waits, n, delivered = [], 0, 0
+        waits, cpu, n, delivered = [], [], 0, 0
         started = last = time.perf_counter()
+        last_cpu = time.thread_time()
         first = None
         for batch in batches(epoch):
             now = time.perf_counter()
             waits.append(now - last)
+            # The loop thread's own CPU in that wait: what the loader costs
+            # when nothing else competes for the core.
+            cpu.append(time.thread_time() - last_cpu)
             first = first if first is not None else now - started
             count, nbytes = _nbytes(batch)
             n, delivered = n + count, delivered + nbytes
@@ -94,12 +98,13 @@ def measure_epochs(
             time.sleep(cfg["step_ms"] / 1000)  # the "training step"
             dist.all_reduce(torch.ones(1))  # lockstep: a straggler shows
             last = time.perf_counter()
+            last_cpu = time.thread_time()
         elapsed = time.perf_counter() - started
         if not waits:
             raise RuntimeError(f"{system}: rank {rank} got no batch in epoch {epoch}")
         dist.barrier()
         pss, uss = _pss_uss_mb([me.pid] + [c.pid for c in me.children(recursive=True)])
-        w = np.asarray(waits) * 1000
+        w, c = np.asarray(waits) * 1000, np.asarray(cpu) * 1000
         rows.append(
             {
                 "system": system,
@@ -113,6 +118,10 @@ def measure_epochs(
                 "wait_p50_ms": float(np.percentile(w, 50)),
                 "wait_p99_ms": float(np.percentile(w, 99)),
                 "wait_mean_ms": float(w.mean()),
+                "wait_cpu_p50_ms": float(np.percentile(c, 50)),
+                "wait_cpu_p99_ms": float(np.percentile(c, 99)),
+                # Every batch's wait, so the report can pool the warm epochs.
+                "waits_ms": [round(float(x), 4) for x in w],
                 # Loader-only delivery: tensor bytes over the time the loop waited.
                 "delivered_bytes": delivered,
                 "delivery_gbps": delivered / max(float(w.sum()) / 1000, 1e-9) / 1e9,

@@ -288,6 +288,10 @@ class DistributedCachedDataset(Dataset[Any]):
         self._consumed = 0
         self._cursor = 0
         self._waits.reset()
+        if self.consistency == "epoch" and self._pid == os.getpid():
+            # The snapshot is one Redis read; taking it here keeps it out of
+            # the first batch's wait (DataLoader workers take their own).
+            self._current_generation()
 
     def __getitem__(self, idx: int) -> Any:
         return self.__getitems__([idx])[0]
@@ -314,12 +318,14 @@ class DistributedCachedDataset(Dataset[Any]):
             if i not in got:  # a value held since an earlier batch: no Ray call at all
                 self._counts["hits"] += 1
                 self._counts["bytes"] += self.manifest.objects[i].size
-        samples = [
-            self._apply_transform(
-                i, _to_tensor(got[i] if i in got else self._values[i])
-            )
-            for i in indices
-        ]
+        held = self._values
+        if self.transform is None and self.target is None:
+            samples = [got[i] if i in got else held[i] for i in indices]
+        else:
+            samples = [
+                self._apply_transform(i, got[i] if i in got else held[i])
+                for i in indices
+            ]
         self._waits.record(time.perf_counter() - started)
         self._counts["samples"] += len(indices)
         self._consumed += len(indices)
@@ -327,7 +333,7 @@ class DistributedCachedDataset(Dataset[Any]):
         self._cursor += len(indices)
         self._schedule_prefetch()
         if self._waits.batches % RANK_REPORT_EVERY == 0:
-            self._report_rank()
+            self._report_rank(in_background=True)
         return samples
 
     def _apply_transform(self, idx: int, sample: Any) -> Any:
@@ -376,25 +382,27 @@ class DistributedCachedDataset(Dataset[Any]):
         return generation
 
     def _fetch_values(self, indices: list[int], generation: int) -> list[Any]:
-        """Resolve and ``ray.get`` what this rank does not hold yet.
+        """Resolve and ``ray.get`` what this rank does not hold yet, as tensors.
 
-        Values the store cached are kept as zero-copy views for the rest of
+        Values the store cached are kept as zero-copy tensors for the rest of
         the generation, so a warm batch costs neither an actor call nor a
-        ``ray.get``; values the store did not cache (budget full) are used
-        once and dropped, so the store's eviction policy stays in charge.
+        ``ray.get`` nor a ``torch.from_numpy``; values the store did not cache
+        (budget full) are used once and dropped, so the store's eviction
+        policy stays in charge.
         """
         import ray
 
         if not indices:
             return []
         self._ensure_refs(indices, generation)
-        values = ray.get(
+        arrays = ray.get(
             [self._refs[i] for i in indices], timeout=self.config.request_timeout_s
         )
+        values = [_to_tensor(a) for a in arrays]
         with self._lock:
             if generation == self._refs_generation:
-                for i, v in zip(indices, values, strict=True):
-                    nbytes = _nbytes(v)
+                for i, a, v in zip(indices, arrays, values, strict=True):
+                    nbytes = _nbytes(a)
                     if (
                         i in self._transient
                         or self._held_bytes + nbytes > self.config.hold_bytes
@@ -459,14 +467,18 @@ class DistributedCachedDataset(Dataset[Any]):
         ]
         if not todo:
             return
+        generation = self._refs_generation
+        fut = self._background().submit(self._prefetch, todo, generation)
+        for i in todo:
+            self._pending[i] = fut
+
+    def _background(self) -> ThreadPoolExecutor:
+        """The one thread that prefetches and reports, off the training loop."""
         if self._prefetcher is None:
             self._prefetcher = ThreadPoolExecutor(
                 1, thread_name_prefix="shardcache-prefetch"
             )
-        generation = self._refs_generation
-        fut = self._prefetcher.submit(self._prefetch, todo, generation)
-        for i in todo:
-            self._pending[i] = fut
+        return self._prefetcher
 
     def _prefetch(self, indices: list[int], generation: int) -> None:
         import ray
@@ -508,7 +520,7 @@ class DistributedCachedDataset(Dataset[Any]):
             out["cluster"] = None
         return out
 
-    def _report_rank(self) -> None:
+    def _report_rank(self, in_background: bool = False) -> None:
         if self._waits.batches == 0:
             return
         report = {
@@ -519,6 +531,14 @@ class DistributedCachedDataset(Dataset[Any]):
             "generation": self.generation,
             "ts": time.time(),
         }
+        if in_background:
+            # The report is built here (the wait deque is not thread-safe to
+            # read); only the Redis write leaves the training loop's path.
+            self._background().submit(self._write_rank_report, report)
+        else:
+            self._write_rank_report(report)
+
+    def _write_rank_report(self, report: dict[str, Any]) -> None:
         try:
             self._client.index.record_rank(self.name, self.job, self.rank, report)
         except IndexUnavailable:

@@ -455,6 +455,31 @@ class RedisIndex:
                 )
             )
 
+    def release_predecessors(self, node_id: str, me: str) -> int:
+        """Forget every entry an earlier store on ``node_id`` held: it died with
+        its cache, so the index must stop pointing at it. Compare-and-set per
+        path, so an entry a live store re-claimed meanwhile stays. Returns how
+        many entries were dropped."""
+        dropped = 0
+        for name in self.datasets():
+            generation = self.generation(name)
+            if generation <= 0:
+                continue
+            by_owner: dict[str, list[str]] = {}
+            with self.errors():
+                owners = self.client.hscan_iter(
+                    keys.owners_key(self.ns, name, generation), count=1000
+                )
+                for path, owner in owners:
+                    if owner.split("/", 1)[0] == node_id and owner != me:
+                        by_owner.setdefault(owner, []).append(path)
+            for owner, paths in by_owner.items():
+                for i in range(0, len(paths), _CHUNK):
+                    dropped += self.release(
+                        name, generation, paths[i : i + _CHUNK], owner
+                    )
+        return dropped
+
     def record_entries(
         self, name: str, generation: int, entries: Mapping[str, dict[str, Any]]
     ) -> None:

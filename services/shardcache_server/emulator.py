@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import random
+import socket
+import struct
 import threading
 import time
 from collections import Counter
@@ -40,6 +42,10 @@ class FaultPlan:
             latency (a long tail, like S3): median and shape.
         bandwidth_bytes_per_s: a cap on each GET's body rate (one connection
             each), ``0`` for none.
+        reset_rate: share of GETs whose connection is dropped before any
+            response byte (the client sees a disconnect).
+        stall_rate / stall_s: share of GETs held ``stall_s`` before the first
+            byte (a hung connection: the client's per-attempt timeout fires).
         seed: the random stream deciding which requests fail.
     """
 
@@ -50,6 +56,9 @@ class FaultPlan:
     latency_median_s: float = 0.0
     latency_sigma: float = 0.0
     bandwidth_bytes_per_s: float = 0.0
+    reset_rate: float = 0.0
+    stall_rate: float = 0.0
+    stall_s: float = 0.0
     seed: int = 0
 
 
@@ -82,6 +91,23 @@ def _paced(body: Iterable[bytes], bytes_per_s: float) -> Iterator[bytes]:
             if ahead > 0:
                 time.sleep(ahead)
             yield chunk
+
+
+def _drop_connection(
+    environ: Environ, start_response: StartResponse
+) -> Iterable[bytes]:
+    """Drop the request's TCP connection before any response byte, as a
+    failing load balancer does: the client sees the peer disconnect."""
+    sock = environ["werkzeug.socket"]
+    # Linger 0: werkzeug's final close() sends RST instead of a graceful FIN.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    # shutdown, not close: the descriptor stays werkzeug's (closing it here
+    # could hand its number to another thread's connection).
+    sock.shutdown(socket.SHUT_RDWR)
+    # werkzeug's write of these headers then fails with a broken pipe, which
+    # it treats as a dropped connection, quietly.
+    start_response("500 Dropped", [("Content-Length", "0")])
+    return []
 
 
 class S3Emulator:
@@ -201,7 +227,9 @@ class S3Emulator:
                 plan = self.faults
                 roll = self._rng.random()
                 truncate = self._rng.random() < plan.truncate_rate
-                delay = plan.latency_s
+                reset = self._rng.random() < plan.reset_rate
+                stall = self._rng.random() < plan.stall_rate
+                delay = plan.latency_s + (plan.stall_s if stall else 0.0)
                 if plan.latency_median_s:
                     delay += self._rng.lognormvariate(
                         math.log(plan.latency_median_s), plan.latency_sigma
@@ -213,6 +241,8 @@ class S3Emulator:
                 return app(environ, start_response)
             if delay:
                 time.sleep(delay)
+            if reset:
+                return _drop_connection(environ, start_response)
             if roll < plan.error_rate:
                 body = _ERROR_BODY.get(plan.error_status, _ERROR_BODY[500])
                 start_response(

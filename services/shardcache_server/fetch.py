@@ -76,7 +76,7 @@ class Fetcher:
                     # retry SlowDown silently underneath (5 x 3 attempts).
                     config = dict(options.get("config_kwargs") or {})
                     config.setdefault(
-                        "retries", {"max_attempts": 1, "mode": "standard"}
+                        "retries", {"total_max_attempts": 1, "mode": "standard"}
                     )
                     options["config_kwargs"] = config
                 fs = cls(asynchronous=True, skip_instance_cache=True, **options)

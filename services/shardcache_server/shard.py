@@ -122,6 +122,7 @@ class CacheShard:
         # A new incarnation means the previous one (if any) lost its cache.
         self._event("store_start", "", incarnation=self.incarnation)
         self._tasks.append(self._loop.create_task(self._flush_forever()))
+        self._tasks.append(self._loop.create_task(self._release_predecessors()))
         threading.Thread(
             target=self._listen_forever, name="invalidations", daemon=True
         ).start()
@@ -644,6 +645,21 @@ class CacheShard:
         except BackendError:
             self._stats.restore(counts)
             self._index_dirty = True
+
+    async def _release_predecessors(self) -> None:
+        """Drop the index entries of this node's dead earlier store, so no
+        reader is pointed at values that died with it. Best effort: with Redis
+        down, lookups still find the dead owner and take it over by
+        compare-and-set (``_split_by_owner``)."""
+        assert self._index is not None
+        try:
+            dropped = await asyncio.to_thread(
+                self._index.release_predecessors, self.node_id, self.me
+            )
+        except BackendError:
+            return
+        if dropped:
+            self._event("predecessor_released", "", entries=dropped)
 
     async def _resync_index(self) -> None:
         """After a Redis outage, re-record what this store holds."""

@@ -3,6 +3,7 @@ tests rely on: it must do what it says at the HTTP level."""
 
 from __future__ import annotations
 
+import http.client
 import time
 import urllib.request
 from urllib.error import HTTPError
@@ -28,3 +29,19 @@ def test_emulator_answers_slowdown_at_the_http_level(s3, s3fs_client, bucket):
     with pytest.raises(HTTPError) as err:
         urllib.request.urlopen(f"{s3.endpoint_url}/{bucket}/k0", timeout=5)
     assert err.value.code == 503 and b"SlowDown" in err.value.read()
+
+
+def test_emulator_drops_connection_before_any_response(s3, s3fs_client, bucket):
+    s3fs_client.pipe({f"{bucket}/k": b"v"})
+    s3.set_faults(FaultPlan(reset_rate=1.0))
+    with pytest.raises((ConnectionError, http.client.RemoteDisconnected)):
+        urllib.request.urlopen(f"{s3.endpoint_url}/{bucket}/k", timeout=5)
+    s3.set_faults(FaultPlan())  # the server itself keeps serving
+    assert s3fs_client.cat_file(f"{bucket}/k") == b"v"
+
+
+def test_emulator_stalls_past_the_client_timeout(s3, s3fs_client, bucket):
+    s3fs_client.pipe({f"{bucket}/k": b"v"})
+    s3.set_faults(FaultPlan(stall_rate=1.0, stall_s=1.0))
+    with pytest.raises(TimeoutError):
+        urllib.request.urlopen(f"{s3.endpoint_url}/{bucket}/k", timeout=0.3)

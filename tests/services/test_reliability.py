@@ -7,11 +7,13 @@ import uuid
 
 import pytest
 import ray
+from torch.utils.data import DataLoader
 
 from shardcache import DistributedCachedDataset
 from shardcache.decoders import raw_bytes
 from shardcache.embedded import free_port, start_redis_server
 from shardcache.index import RedisIndex
+from shardcache_server.cluster import store_for_node
 
 from helpers import Reader, register_dataset
 
@@ -113,3 +115,63 @@ def test_tenants_on_one_redis_cannot_see_or_invalidate_each_other(redis_url):
         k.startswith(f"shardcache:{b.ns}:")
         for k in b.client.scan_iter(f"shardcache:{b.ns}:*")
     )
+
+
+def test_store_killed_for_good_mid_epoch_ranks_keep_reading(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace, monkeypatch
+):
+    # The rank holds nothing (every batch asks its store) and prefetches: the
+    # kill lands with references of the dead store already in flight.
+    monkeypatch.setenv("SHARDCACHE_HOLD_BYTES", "0")
+    s3fs_client.pipe({f"{bucket}/d/{i:02d}": bytes([i]) * 64 for i in range(40)})
+    ds = DistributedCachedDataset(
+        f"s3://{bucket}/d/",
+        storage_options=s3.storage_options(),
+        redis_url=redis_url,
+        namespace=namespace,
+        prefetch_batches=4,
+    )
+    loader = DataLoader(ds, batch_size=4, sampler=ds.sampler, collate_fn=list)
+    node = ray.get_runtime_context().get_node_id()
+    index = RedisIndex.from_url(redis_url, namespace)
+
+    def epoch(n, kill_after=None):
+        ds.set_epoch(n)
+        seen = {}
+        for b, batch in enumerate(loader):
+            order = ds.sampler.order()[b * 4 : (b + 1) * 4]
+            seen.update(
+                {int(i): bytes(t.numpy()) for i, t in zip(order, batch, strict=True)}
+            )
+            if b == kill_after:
+                store = store_for_node(namespace, node)
+                dead = ray.get(store.ping.remote())
+                ray.kill(store, no_restart=True)  # no restart budget left
+                _wait_until_dead(store)  # the prefetched references die with it
+        assert seen == {i: bytes([i]) * 64 for i in range(40)}
+        return dead if kill_after is not None else None
+
+    epoch(0)
+    s3.reset_counts()
+    dead = epoch(1, kill_after=2)
+    # The index no longer points at the dead store: what it held is either
+    # forgotten or re-fetched by its successor.
+    assert dead not in set(index.owners(ds.name, ds.generation).values())
+    epoch(2)
+    # Every lost entry was read again from the source, exactly once.
+    assert sorted(s3.gets.values()) == [1] * 40
+    owners = set(index.owners(ds.name, ds.generation).values())
+    assert len(owners) == 1 and dead not in owners
+    assert len(index.entries(ds.name, ds.generation)) == 40
+    ds.close()
+
+
+def _wait_until_dead(actor, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the killed store is still answering")

@@ -313,3 +313,65 @@ def test_shard_retired_values_give_way_to_new_entries(
 
     info = _run(scenario())
     assert info["used_bytes"] == 400 and info["retired_bytes"] == 600
+
+
+def test_shard_survives_mixed_source_faults_with_bounded_retries(
+    s3, s3fs_client, bucket, redis_url
+):
+    # A share of GETs answered 503 SlowDown, 500, dropped, or stalled past the
+    # per-attempt timeout: every object still arrives intact, in few attempts.
+    cfg, _, spec, items = _setup(
+        s3, s3fs_client, bucket, redis_url, count=24, fetch_timeout_s=0.5
+    )
+    faults = [
+        FaultPlan(error_rate=0.3, error_status=503, seed=1),
+        FaultPlan(error_rate=0.3, error_status=500, seed=2),
+        FaultPlan(reset_rate=0.3, seed=3),
+        FaultPlan(stall_rate=0.2, stall_s=2.0, seed=4),
+    ]
+
+    async def scenario():
+        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        await shard.register(spec, raw_bytes)
+        out = []
+        for plan, chunk in zip(faults, (items[i::4] for i in range(4)), strict=True):
+            s3.set_faults(plan)
+            out += zip(chunk, await shard.get("ds", 1, chunk), strict=True)
+        await shard.close()
+        return out
+
+    out = _run(scenario())
+    assert [res[0] for _, res in out] == ["fetched"] * len(items)
+    for (url, _etag, _size), res in out:
+        i = int(url.rsplit("/", 1)[-1].split(".")[0])
+        assert bytes(res[1]) == bytes([i]) * 100
+    # Faults cost retries, bounded by 1 + fetch_retries attempts per object
+    # (twice that for dropped connections, which aiohttp re-sends once).
+    assert len(items) < s3.total_gets <= 2 * len(items) * (1 + cfg.fetch_retries)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        FaultPlan(error_rate=1.0, error_status=500),
+        FaultPlan(reset_rate=1.0),
+        FaultPlan(stall_rate=1.0, stall_s=2.0),
+    ],
+    ids=["500", "dropped", "stalled"],
+)
+def test_shard_persistent_source_fault_is_remote_fetch_error_naming_key(
+    s3, s3fs_client, bucket, redis_url, plan
+):
+    cfg, _, spec, items = _setup(
+        s3, s3fs_client, bucket, redis_url, count=1, fetch_retries=2,
+        fetch_timeout_s=0.3,
+    )  # fmt: skip
+    s3.set_faults(plan)
+    (res,), info = _get_once(cfg, spec, items)
+    assert res[:2] == ("error", "RemoteFetchError")
+    assert items[0][0] in res[2] and "after 3 attempts" in res[2]
+    # 1 + fetch_retries attempts, then it gives up. aiohttp re-sends an
+    # idempotent GET once when the server drops the connection (RFC 9112
+    # 9.3.1), so a dropped attempt reaches the server twice.
+    assert s3.total_gets == 3 * (2 if plan.reset_rate else 1)
+    assert info["entries"] == 0
