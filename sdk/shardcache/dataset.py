@@ -284,6 +284,7 @@ class DistributedCachedDataset(Dataset[Any]):
         """Start ``epoch``: reshuffle this rank's order and report last epoch's waits."""
         self._report_rank()
         self._sampler.set_epoch(epoch)
+        self._sampler.order()  # computed now, not inside the first batch's wait
         self._snapshot_due = True
         self._consumed = 0
         self._cursor = 0
