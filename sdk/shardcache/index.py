@@ -51,6 +51,12 @@ def map_redis_errors(url: str) -> Iterator[None]:
             f"Redis at {redact_url(url)} refused the credentials. Put the password in "
             "the URL (redis://:PASSWORD@host:port) or set SHARDCACHE_REDIS_URL."
         ) from exc
+    except redis.exceptions.NoPermissionError as exc:
+        raise IndexUnavailable(
+            f"the Redis user in {redact_url(url)} may not use this namespace's keys "
+            f"({exc}). Grant the ACL user ~shardcache:NAMESPACE:* and "
+            "&shardcache:NAMESPACE:*, or set SHARDCACHE_NAMESPACE to the one it owns."
+        ) from exc
     except redis.ResponseError as exc:
         if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
             raise IndexUnavailable(

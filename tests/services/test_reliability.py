@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from urllib.parse import urlsplit
 
 import pytest
 import ray
@@ -12,6 +13,7 @@ from torch.utils.data import DataLoader
 from shardcache import DistributedCachedDataset
 from shardcache.decoders import raw_bytes
 from shardcache.embedded import free_port, start_redis_server
+from shardcache.errors import IndexUnavailable
 from shardcache.index import RedisIndex
 from shardcache_server.cluster import store_for_node
 
@@ -115,6 +117,37 @@ def test_tenants_on_one_redis_cannot_see_or_invalidate_each_other(redis_url):
         k.startswith(f"shardcache:{b.ns}:")
         for k in b.client.scan_iter(f"shardcache:{b.ns}:*")
     )
+
+
+def test_tenant_acl_user_is_confined_to_its_namespace_by_redis(redis, redis_url):
+    # Beyond key prefixes: a Redis ACL user per tenant, so a tenant's
+    # credentials cannot touch another tenant's keys at all.
+    ns_a, ns_b = (f"acl-{t}-{uuid.uuid4().hex[:6]}" for t in "ab")
+    password = uuid.uuid4().hex
+    redis.acl_setuser(
+        f"user-{ns_a}",
+        enabled=True,
+        passwords=[f"+{password}"],
+        keys=[f"shardcache:{ns_a}:*"],
+        channels=[f"shardcache:{ns_a}:*"],
+        commands=["+@all", "-@admin", "-@dangerous"],
+        reset_keys=True,
+        reset_channels=True,
+    )
+    try:
+        hostport = urlsplit(redis_url).netloc.rsplit("@", 1)[-1]
+        url_a = f"redis://user-{ns_a}:{password}@{hostport}/0"
+        a = RedisIndex.from_url(url_a, ns_a)
+        assert a.register("d", "s3://a/", "fp", 1, 1) == 1
+        assert a.invalidate("d") == 2 and a.datasets() == ["d"]
+        RedisIndex.from_url(redis_url, ns_b).register("d", "s3://b/", "fp", 1, 1)
+        intruder = RedisIndex.from_url(url_a, ns_b)
+        with pytest.raises(IndexUnavailable, match="may not use this namespace") as err:
+            intruder.invalidate("d")
+        assert password not in str(err.value)
+        assert RedisIndex.from_url(redis_url, ns_b).generation("d") == 1
+    finally:
+        redis.acl_deluser(f"user-{ns_a}")
 
 
 def test_store_killed_for_good_mid_epoch_ranks_keep_reading(
