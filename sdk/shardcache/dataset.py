@@ -315,10 +315,11 @@ class DistributedCachedDataset(Dataset[Any]):
                 # generation at this batch boundary, never within a batch.
                 self._snapshot_due = True
                 self._counts["generation_switches"] += 1
-        for i in indices:
-            if i not in got:  # a value held since an earlier batch: no Ray call at all
-                self._counts["hits"] += 1
-                self._counts["bytes"] += self.manifest.objects[i].size
+        held_hits = [i for i in indices if i not in got] if got else indices
+        if held_hits:  # values held since an earlier batch: no Ray call at all
+            objs = self.manifest.objects
+            self._counts["hits"] += len(held_hits)
+            self._counts["bytes"] += sum(objs[i].size for i in held_hits)
         held = self._values
         if self.transform is None and self.target is None:
             samples = [got[i] if i in got else held[i] for i in indices]
@@ -458,13 +459,10 @@ class DistributedCachedDataset(Dataset[Any]):
         window = order[
             self._cursor : self._cursor
             + self.config.prefetch_batches * self._batch_size
-        ]
+        ].tolist()  # python ints: numpy scalars cost ~0.4 us each to look up
+        held, refs, pending = self._values, self._refs, self._pending
         todo = [
-            int(i)
-            for i in window
-            if int(i) not in self._values
-            and int(i) not in self._refs
-            and int(i) not in self._pending
+            i for i in window if i not in held and i not in refs and i not in pending
         ]
         if not todo:
             return
