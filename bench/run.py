@@ -18,6 +18,7 @@ import os
 import platform
 import queue
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +43,17 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
 )
 NODES, RANKS_PER_NODE = 2, 2
-SYSTEMS = ("plain", "manager_dict", "simplecache", "ray_data", "litdata", "shardcache")
+SYSTEMS = (
+    "plain",
+    "manager_dict",
+    "simplecache",
+    "ray_data",
+    "litdata",
+    "mosaic",
+    "shardcache",
+)
+# Mosaic Streaming runs in an environment of its own (bench/mosaic.py says why).
+MOSAIC_PYTHON = HERE.parent / ".venv-mosaic" / "bin" / "python"
 # shardcache under a cache holding half the dataset, and with 1% changed upstream.
 SCENARIOS = ("shardcache_lru50", "shardcache_static50", "shardcache_changed1")
 RAY_SYSTEMS = ("ray_data", "shardcache", *SCENARIOS)
@@ -183,6 +194,64 @@ def _run_ray_ranks(system: str, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     return [row for rows in per_rank for row in rows]
 
 
+# Each emulated node of Mosaic gets a private /dev/shm, as a real machine has
+# (bench/mosaic.py says why).
+_OWN_SHM = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+            'mount -t tmpfs -o size=4g tmpfs /dev/shm && exec "$0" "$@"']  # fmt: skip
+
+
+def _mosaic(
+    cfg: dict[str, Any], *args: str, own_shm: bool = False
+) -> subprocess.Popen[bytes]:
+    if not MOSAIC_PYTHON.exists():
+        raise RuntimeError(
+            f"{MOSAIC_PYTHON} is missing; scripts/bench.sh creates it (torch 2.14.1, "
+            "torchvision 0.29.1, mosaicml-streaming)"
+        )
+    path = Path(cfg["tmp"]) / f"{cfg['namespace']}.json"
+    path.write_text(json.dumps(cfg))
+    command = [
+        str(MOSAIC_PYTHON),
+        str(HERE / "mosaic.py"),
+        args[0],
+        str(path),
+        *args[1:],
+    ]
+    return subprocess.Popen((_OWN_SHM if own_shm else []) + command)
+
+
+def _wait_all(system: str, procs: list[subprocess.Popen[bytes]], timeout_s: float):
+    deadline = time.monotonic() + timeout_s  # a hung system costs this, not the run
+    try:
+        codes = [p.wait(timeout=max(deadline - time.monotonic(), 1)) for p in procs]
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"{system}: timed out after {timeout_s:.0f}s") from exc
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(codes):
+        raise RuntimeError(
+            f"{system}: a process failed (exit codes {codes}); see stderr above"
+        )
+
+
+def _run_mosaic_ranks(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    out_dir = Path(cfg["tmp"]) / f"{cfg['namespace']}-rows"
+    out_dir.mkdir()
+    nodes = range(cfg["world"] // cfg["ranks_per_node"])
+    _wait_all(
+        "mosaic",
+        [_mosaic(cfg, "node", str(n), str(out_dir), own_shm=True) for n in nodes],
+        600,
+    )
+    return [
+        row
+        for r in range(cfg["world"])
+        for row in json.loads((out_dir / f"rank{r}.json").read_text())
+    ]
+
+
 def run_system(system: str, cfg: dict[str, Any], emulator: Any) -> list[dict[str, Any]]:
     emulator.reset_counts()
     cfg = {**cfg, "port": _free_port(), "prepare_s": 0.0, "prepare_gets": 0}
@@ -196,7 +265,13 @@ def run_system(system: str, cfg: dict[str, Any], emulator: Any) -> list[dict[str
         cfg["litdata_prefix"] = litdata_convert(cfg, fs)
         cfg["prepare_s"] = time.perf_counter() - started
         cfg["prepare_gets"] = emulator.total_gets
-    if system in RAY_SYSTEMS:
+    if system == "mosaic":  # MDSWriter: the same conversion step as LitData's
+        started = time.perf_counter()
+        _wait_all("mosaic conversion", [_mosaic(cfg, "convert")], 600)
+        cfg["prepare_s"] = time.perf_counter() - started
+        cfg["prepare_gets"] = emulator.total_gets
+        rows = _run_mosaic_ranks(cfg)
+    elif system in RAY_SYSTEMS:
         rows = _run_ray_ranks(system, cfg)
     else:
         rows = _run_processes(system, cfg)

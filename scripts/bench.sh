@@ -4,12 +4,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-# torch stays pinned so no competitor pulls another build. Mosaic Streaming is
-# not installed: it imports torchvision, whose PyPI wheels fail against the CPU
-# torch here (bench/NOTES.md).
-# LitData goes in without its torchvision requirement for the same reason (the
-# code paths used here never import it).
+# torch stays pinned so no competitor pulls another build. PyPI's torchvision
+# fails against the CPU torch 2.13.0 here, so LitData goes in without its
+# torchvision requirement (the code paths used here never import it) and
+# Mosaic Streaming, whose `import streaming` imports torchvision, gets an
+# environment of its own with the torch 2.14.1 + torchvision 0.29.1 pair that
+# lies on this machine's disk (bench/mosaic.py).
 .venv/bin/python -m pip install --quiet "matplotlib>=3.8" "torch==2.13.0" \
     boto3 filelock lightning-utilities obstore requests tifffile
 .venv/bin/python -m pip install --quiet --no-deps "litdata==0.2.76"
+if [ ! -x .venv-mosaic/bin/python ] || ! .venv-mosaic/bin/python -c "import streaming" 2>/dev/null; then
+    "${PYTHON:-python3.11}" -m venv .venv-mosaic
+    .venv-mosaic/bin/python -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1"
+    .venv-mosaic/bin/python -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1" \
+        "mosaicml-streaming>=0.11" boto3 psutil numpy pillow \
+        || echo "note: Mosaic Streaming could not be installed; the table will say so"
+fi
 exec .venv/bin/python bench/run.py "$@"
