@@ -121,9 +121,9 @@ def run_rank(cfg: dict[str, Any], rank: int) -> list[dict[str, Any]]:
     return rows
 
 
-def run_node(cfg_path: str, node: int, out_dir: str) -> int:
+def run_node(cfg: dict[str, Any], cfg_path: str, node: int, out_dir: str) -> int:
     """Start this node's ranks (sharing its /dev/shm) and wait for them."""
-    per_node = json.loads(Path(cfg_path).read_text())["ranks_per_node"]
+    per_node = cfg["ranks_per_node"]
     ranks = range(node * per_node, (node + 1) * per_node)
     procs = [
         subprocess.Popen(
@@ -147,7 +147,7 @@ def main() -> None:
     if mode == "convert":
         convert(cfg)
     elif mode == "node":
-        raise SystemExit(run_node(cfg_path, int(sys.argv[3]), sys.argv[4]))
+        raise SystemExit(run_node(cfg, cfg_path, int(sys.argv[3]), sys.argv[4]))
     elif mode == "rank":
         rows = run_rank(cfg, int(sys.argv[3]))
         Path(sys.argv[4]).write_text(json.dumps(rows))

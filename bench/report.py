@@ -45,7 +45,6 @@ def summarise(report: dict[str, Any]) -> dict[tuple[str, str], dict[str, list[fl
         m["epoch_gets"].append(_epoch_gets(epochs))  # type: ignore[arg-type]
         for epoch, ranks in epochs.items():
             total = sum(r["samples"] for r in ranks) / max(r["seconds"] for r in ranks)
-            means = [r["wait_mean_ms"] for r in ranks]
             key = "cold" if epoch == 0 else "warm"
             m[f"{key}_total_sps"].append(total)
             if epoch == 0:
@@ -57,22 +56,11 @@ def summarise(report: dict[str, Any]) -> dict[tuple[str, str], dict[str, list[fl
             m["warm_rank_sps"].append(
                 float(np.mean([r["samples_per_s"] for r in ranks]))
             )
-            if "waits_ms" not in ranks[0]:  # results from before waits were kept
-                m["p50"].append(float(np.mean([r["wait_p50_ms"] for r in ranks])))
-                m["p99"].append(max(r["wait_p99_ms"] for r in ranks))
-                m["p99_over_p50"].append(
-                    max(r["wait_p99_ms"] / max(r["wait_p50_ms"], 1e-9) for r in ranks)
-                )
-                m["spread"].append(max(means) / max(min(means), 1e-9))
             m["pss"].append(max(r["pss_mb"] for r in ranks))
             m["uss"].append(max(r["uss_mb"] for r in ranks))
             gbps = float(np.mean([r["delivery_gbps"] for r in ranks]))
             m["delivery_gbps"].append(gbps)
             m["memcpy_frac"].append(gbps / report["memcpy_gbps"][dataset])
-            if "waits_ms" not in ranks[0]:
-                m["p99_by_rank"].append(
-                    [r["wait_p99_ms"] for r in sorted(ranks, key=lambda r: r["rank"])]
-                )  # type: ignore[arg-type]
             m["refreshed"].append(sum(r.get("refreshed", 0) for r in ranks))
         _pooled_waits(m, epochs)
     return out
@@ -86,7 +74,7 @@ def _pooled_waits(m: dict[str, list[Any]], epochs: dict[int, list[dict[str, Any]
     batches to stand on.
     """
     warm = [r for e, rows in epochs.items() if e > 0 for r in rows]
-    if not warm or "waits_ms" not in warm[0]:
+    if not warm:
         return
     by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in warm:
@@ -108,7 +96,6 @@ def _pooled_waits(m: dict[str, list[Any]], epochs: dict[int, list[dict[str, Any]
     m["p99_by_rank"].append(p99)  # type: ignore[arg-type]
     m["cpu_p50"].append(float(np.mean(cpu50)))
     m["cpu_p99"].append(max(cpu99))
-    m["batches_per_rank"].append(len(w))
 
 
 MAIN_HEADER = (

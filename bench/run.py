@@ -252,24 +252,33 @@ def _run_mosaic_ranks(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def _litdata_convert(cfg: dict[str, Any]) -> None:
+    """LitData's optimize(): chunks uploaded next to the source."""
+    import s3fs
+
+    from systems import litdata_convert
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **cfg["storage_options"])
+    cfg["litdata_prefix"] = litdata_convert(cfg, fs)
+
+
+def _mosaic_convert(cfg: dict[str, Any]) -> None:
+    """Mosaic's MDSWriter, in Mosaic's own environment."""
+    _wait_all("mosaic conversion", [_mosaic(cfg, "convert")], 600)
+
+
+CONVERSIONS = {"litdata": _litdata_convert, "mosaic": _mosaic_convert}
+
+
 def run_system(system: str, cfg: dict[str, Any], emulator: Any) -> list[dict[str, Any]]:
     emulator.reset_counts()
     cfg = {**cfg, "port": _free_port(), "prepare_s": 0.0, "prepare_gets": 0}
-    if system == "litdata":
-        import s3fs
-
-        from systems import litdata_convert
-
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, **cfg["storage_options"])
+    if system in CONVERSIONS:  # a conversion step before training, timed apart
         started = time.perf_counter()
-        cfg["litdata_prefix"] = litdata_convert(cfg, fs)
+        CONVERSIONS[system](cfg)
         cfg["prepare_s"] = time.perf_counter() - started
         cfg["prepare_gets"] = emulator.total_gets
-    if system == "mosaic":  # MDSWriter: the same conversion step as LitData's
-        started = time.perf_counter()
-        _wait_all("mosaic conversion", [_mosaic(cfg, "convert")], 600)
-        cfg["prepare_s"] = time.perf_counter() - started
-        cfg["prepare_gets"] = emulator.total_gets
+    if system == "mosaic":
         rows = _run_mosaic_ranks(cfg)
     elif system in RAY_SYSTEMS:
         rows = _run_ray_ranks(system, cfg)
