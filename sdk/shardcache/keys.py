@@ -11,8 +11,9 @@ key                                        type    content
 =========================================  ======  ===========================================
 ``{p}:datasets``                           set     dataset names
 ``{p}:ds:{ds}``                            hash    source, fingerprint, generation, timestamps
-``{p}:entries:{ds}:v{gen}``                hash    object path -> JSON entry (etag, size, ...)
-``{p}:owners:{ds}:v{gen}``                 hash    object path -> ``node_id/incarnation``
+``{p}:entries:{ds}:v{gen}``                hash    chunk key -> JSON entry (version, size, ...)
+``{p}:owners:{ds}:v{gen}``                 hash    chunk key -> ``node_id/incarnation``
+``{p}:manifest:{ds}``                      hash    who holds the published listing, its digest
 ``{p}:stats:{ds}``                         hash    cumulative counters
 ``{p}:stats:{ds}:node:{node}``             hash    counters of one node
 ``{p}:stats:{ds}:gen:{gen}``               hash    counters of one generation (version cost)
@@ -22,6 +23,10 @@ key                                        type    content
 ``{p}:events``                             list    JSON events, newest first, capped
 ``{p}:invalidate``                         pubsub  JSON invalidation messages
 ``{p}:budget:{source}``                    hash    request token bucket (services/budget.py)
+``{p}:usage:{ds}[:job:{job}][:ts:{b}]``    hash    samples the ranks delivered, per origin
+``{p}:usage:{ds}:jobs``, ``:ranks``        zset    jobs / ``job/rank`` by last report time
+``{p}:usage:{ds}:rank:{job}/{rank}``       hash    one rank's totals and waits per epoch
+``{p}:usage:{ds}:seq:{reporter}``          string  last applied flush of one reporter
 =========================================  ======  ===========================================
 """
 
@@ -37,6 +42,7 @@ __all__ = [
     "entries_key",
     "events_key",
     "invalidation_channel",
+    "manifest_key",
     "owners_key",
     "prefix",
     "ranks_key",
@@ -45,6 +51,14 @@ __all__ = [
     "stats_node_key",
     "stats_series_key",
     "stores_key",
+    "usage_job_key",
+    "usage_job_series_key",
+    "usage_jobs_key",
+    "usage_key",
+    "usage_rank_key",
+    "usage_ranks_key",
+    "usage_seq_key",
+    "usage_series_key",
     "validate_name",
 ]
 
@@ -88,6 +102,10 @@ def owners_key(ns: str, ds: str, generation: int) -> str:
     return f"{prefix(ns)}:owners:{ds}:v{generation}"
 
 
+def manifest_key(ns: str, ds: str) -> str:
+    return f"{prefix(ns)}:manifest:{ds}"
+
+
 def stats_key(ns: str, ds: str) -> str:
     return f"{prefix(ns)}:stats:{ds}"
 
@@ -122,3 +140,39 @@ def budget_key(ns: str, source: str) -> str:
 
 def invalidation_channel(ns: str) -> str:
     return f"{prefix(ns)}:invalidate"
+
+
+# -- usage: the samples ranks delivered, as the ranks report them (usage.py) ------
+
+
+def usage_key(ns: str, ds: str) -> str:
+    return f"{prefix(ns)}:usage:{ds}"
+
+
+def usage_series_key(ns: str, ds: str, bucket_s: int) -> str:
+    return f"{prefix(ns)}:usage:{ds}:ts:{bucket_s}"
+
+
+def usage_jobs_key(ns: str, ds: str) -> str:
+    return f"{prefix(ns)}:usage:{ds}:jobs"
+
+
+def usage_job_key(ns: str, ds: str, job: str) -> str:
+    return f"{prefix(ns)}:usage:{ds}:job:{job}"
+
+
+def usage_job_series_key(ns: str, ds: str, job: str, bucket_s: int) -> str:
+    return f"{prefix(ns)}:usage:{ds}:job:{job}:ts:{bucket_s}"
+
+
+def usage_ranks_key(ns: str, ds: str) -> str:
+    return f"{prefix(ns)}:usage:{ds}:ranks"
+
+
+def usage_rank_key(ns: str, ds: str, member: str) -> str:
+    """``member`` is ``job/rank`` as listed in :func:`usage_ranks_key`."""
+    return f"{prefix(ns)}:usage:{ds}:rank:{member}"
+
+
+def usage_seq_key(ns: str, ds: str, reporter: str) -> str:
+    return f"{prefix(ns)}:usage:{ds}:seq:{reporter}"

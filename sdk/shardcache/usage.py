@@ -1,0 +1,582 @@
+"""What the ranks delivered, counted by the ranks: the figures behind the hit rate.
+
+A store only sees the requests that reach it. A warm batch is served from
+views the rank already holds and never reaches a store, so store-side
+counters (``RedisIndex.flush_stats``, the ``stats:*`` keys) cannot say what
+the training job got. The headline figures (hit rate, GETs saved, hit rate
+over time per dataset and per job) come from here instead; the stores'
+counters stay what they are, *store traffic*, and are shown as such. The two
+are never added together, so a read that passes through a store is counted
+once in each view and twice in none.
+
+Origins, split as Fluid defines them for Alluxio:
+
+* ``local``: from the rank's own node (views the rank holds, or its node's store)
+* ``peer``: from another node's store
+* ``source``: read from the origin (S3, GCS, ...): one GET
+
+Contract for the rank (``DistributedCachedDataset``), one reporter per process::
+
+    reporter = UsageReporter(redis_client_factory, namespace, dataset, job, rank)
+    # On the training path, in memory only (no I/O; ~1 us a call):
+    reporter.served("local", samples, nbytes)  # per batch and origin
+    reporter.waited(seconds, epoch)            # per batch: time the loop was blocked
+    # On a background thread, every FLUSH_INTERVAL_S, and at close():
+    reporter.flush()   # one round trip; False when Redis is down (kept, retried)
+    reporter.close()   # final flush; returns the samples it could not report
+
+Store replies map to origins as: a held view or ``"hit"`` is ``local``,
+``"remote-hit"`` is ``peer``, ``"fetched"`` and ``"uncached"`` are ``source``.
+``ds.stats()["cluster"]`` reads ``UsageReader(client, ns).totals(name).as_dict()``.
+
+Failures: a flush that fails keeps its counts (one batch per attempt, at most
+``max_pending_flushes`` of them; attempts back off to ``MAX_BACKOFF_S``) and
+sends them with the next one. Past that bound the oldest batch is dropped and
+its samples are added to ``lost_samples``/``lost_bytes``, which are written
+once Redis answers again. A reply lost after Redis applied a flush is harmless:
+each batch carries a sequence number and Redis applies it once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+import uuid
+import weakref
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import redis
+
+from shardcache import keys
+from shardcache.errors import ConfigError, IndexUnavailable
+from shardcache.index import SERIES_BUCKET_S, SERIES_TTL_S, map_redis_errors
+
+__all__ = [
+    "FLUSH_INTERVAL_S",
+    "ORIGINS",
+    "RankUsage",
+    "UsageReader",
+    "UsageReporter",
+    "UsageTotals",
+]
+
+ORIGINS = ("local", "peer", "source")
+FLUSH_INTERVAL_S = 1.0  # how often the rank's background thread calls flush()
+MAX_PENDING_FLUSHES = 900  # failed batches kept: 7.5 h at the 30 s backoff
+MAX_BACKOFF_S = 30.0  # retry interval cap while Redis is unreachable
+JOBS_SHOWN = 5  # most recent jobs listed per dataset
+RANKS_SHOWN = 512  # most recent ranks listed per dataset
+_FIELDS = {o: (f"samples_{o}", f"bytes_{o}") for o in ORIGINS}
+_WAIT_EPOCH = "wait_us:e"  # per-epoch blocked time lives in the rank hash only
+
+# One call applies every pending batch of one reporter, atomically.
+# KEYS[1] reporter seq key, KEYS[2] dataset totals, KEYS[3] job totals,
+# KEYS[4] rank hash, KEYS[5] jobs zset, KEYS[6] ranks zset,
+# KEYS[7..] dataset bucket, job bucket, dataset bucket, job bucket, ...
+# ARGV[1] JSON {ts, ttl, job, member, batches: [{seq, totals, rank, buckets:
+#   [[key index, counters]], epoch?}]}; counters are {field: "integer"}.
+# A batch whose seq is not above the stored one was applied already (its
+# reply was lost) and is skipped. Returns how many batches were applied.
+_APPLY = """
+local doc = cjson.decode(ARGV[1])
+local done = tonumber(redis.call('GET', KEYS[1]) or '0')
+local applied = 0
+for _, b in ipairs(doc.batches) do
+  local seq = tonumber(b.seq)
+  if seq > done then
+    for f, n in pairs(b.totals) do
+      redis.call('HINCRBY', KEYS[2], f, n)
+      redis.call('HINCRBY', KEYS[3], f, n)
+      redis.call('HINCRBY', KEYS[4], f, n)
+    end
+    for f, n in pairs(b.rank) do redis.call('HINCRBY', KEYS[4], f, n) end
+    for _, pair in ipairs(b.buckets) do
+      local i = tonumber(pair[1])
+      for f, n in pairs(pair[2]) do
+        redis.call('HINCRBY', KEYS[i], f, n)
+        redis.call('HINCRBY', KEYS[i + 1], f, n)
+      end
+      redis.call('EXPIRE', KEYS[i], doc.ttl)
+      redis.call('EXPIRE', KEYS[i + 1], doc.ttl)
+    end
+    if b.epoch then redis.call('HSET', KEYS[4], 'epoch', b.epoch) end
+    done = seq
+    applied = applied + 1
+  end
+end
+redis.call('SET', KEYS[1], done, 'EX', doc.ttl)
+redis.call('HSET', KEYS[4], 'ts', doc.ts)
+redis.call('ZADD', KEYS[5], doc.ts, doc.job)
+redis.call('ZADD', KEYS[6], doc.ts, doc.member)
+return applied
+"""
+
+
+@dataclass(frozen=True)
+class UsageTotals:
+    """Samples and bytes the ranks delivered, by origin, plus blocked time.
+
+    >>> t = UsageTotals(samples_local=2000, samples_source=1000)
+    >>> round(t.hit_rate, 3), t.gets_saved
+    (0.667, 2000)
+    """
+
+    samples_local: int = 0
+    samples_peer: int = 0
+    samples_source: int = 0
+    bytes_local: int = 0
+    bytes_peer: int = 0
+    bytes_source: int = 0
+    wait_us: int = 0
+    waits: int = 0
+    lost_samples: int = 0
+    lost_bytes: int = 0
+
+    @classmethod
+    def from_hash(cls, raw: Mapping[str, str]) -> UsageTotals:
+        return cls(**{f.name: int(raw.get(f.name) or 0) for f in fields(cls)})
+
+    @property
+    def samples(self) -> int:
+        return self.samples_local + self.samples_peer + self.samples_source
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_local + self.bytes_peer + self.bytes_source
+
+    @property
+    def source_reads(self) -> int:
+        """Samples read from the origin: one GET each."""
+        return self.samples_source
+
+    @property
+    def gets_saved(self) -> int:
+        """Samples served minus source reads: the GETs the cache spared the source."""
+        return self.samples - self.samples_source
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Share of samples not read from the source; ``None`` before any."""
+        return self.gets_saved / self.samples if self.samples else None
+
+    @property
+    def byte_hit_rate(self) -> float | None:
+        n = self.nbytes
+        return (n - self.bytes_source) / n if n else None
+
+    @property
+    def blocked_s(self) -> float:
+        """Seconds the training loop waited for data."""
+        return self.wait_us / 1e6
+
+    def as_dict(self) -> dict[str, Any]:
+        """The figures every view shows (dashboard, /metrics, CLI, ``ds.stats()``)."""
+        by_samples = {o: getattr(self, f"samples_{o}") for o in ORIGINS}
+        by_bytes = {o: getattr(self, f"bytes_{o}") for o in ORIGINS}
+        return {
+            "samples": self.samples,
+            "bytes": self.nbytes,
+            "samples_by_origin": by_samples,
+            "bytes_by_origin": by_bytes,
+            "sample_ratio": {
+                o: n / self.samples if self.samples else None
+                for o, n in by_samples.items()
+            },
+            "byte_ratio": {
+                o: n / self.nbytes if self.nbytes else None for o, n in by_bytes.items()
+            },
+            "hit_rate": self.hit_rate,
+            "byte_hit_rate": self.byte_hit_rate,
+            "source_reads": self.source_reads,
+            "gets_saved": self.gets_saved,
+            "blocked_s": self.blocked_s,
+            "lost_samples": self.lost_samples,
+            "lost_bytes": self.lost_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class RankUsage:
+    """One rank's totals and the time it was blocked in each epoch."""
+
+    job: str
+    rank: str
+    totals: UsageTotals
+    blocked_s_by_epoch: dict[int, float] = field(default_factory=dict)
+    epoch: int | None = None
+    ts: float = 0.0
+
+
+@dataclass
+class _Batch:
+    """Counts cut at one flush attempt; resent unchanged until Redis confirms."""
+
+    seq: int
+    buckets: dict[int, dict[str, int]]
+    rank: dict[str, int]
+    lost: dict[str, int]
+    epoch: int | None
+
+    def totals(self) -> dict[str, int]:
+        out = dict(self.lost)
+        for counts in self.buckets.values():
+            for f, n in counts.items():
+                out[f] = out.get(f, 0) + n
+        return out
+
+
+class UsageReporter:
+    """Counts what one rank delivered, in memory, and flushes it in one round trip.
+
+    Args:
+        redis_client_factory: returns a ``redis.Redis`` (``decode_responses=True``);
+            called lazily by the first :meth:`flush`, never on the training path.
+        namespace: the deployment namespace (key prefix).
+        dataset: the dataset name.
+        job: the job id (``TORCHELASTIC_RUN_ID`` or the dataset's ``job``).
+        rank: the global rank.
+        redis_url: named (redacted) in error messages. Defaults to ``""``.
+        max_pending_flushes: failed batches kept for retry before the oldest is
+            counted as lost. Defaults to ``MAX_PENDING_FLUSHES``.
+        clock: wall clock for the 10 s buckets (tests replay epochs with it).
+            Defaults to ``time.time``.
+
+    Raises:
+        ConfigError: a name is not key-safe, rank < 0, or max_pending_flushes < 1.
+
+    >>> r = UsageReporter(lambda: None, "default", "images", "job1", 0)
+    >>> r.served("local", 64, 65536); r.waited(0.002, epoch=1)
+    >>> r.unflushed_samples
+    64
+    """
+
+    def __init__(
+        self,
+        redis_client_factory: Callable[[], redis.Redis],
+        namespace: str,
+        dataset: str,
+        job: str,
+        rank: int,
+        *,
+        redis_url: str = "",
+        max_pending_flushes: int = MAX_PENDING_FLUSHES,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.ns = keys.validate_name("namespace", namespace)
+        self.dataset = keys.validate_name("dataset", dataset)
+        self.job = keys.validate_name("job", job)
+        if not isinstance(rank, int) or rank < 0:
+            raise ConfigError(f"rank must be an int >= 0, got {rank!r}.")
+        if max_pending_flushes < 1:
+            raise ConfigError(
+                f"max_pending_flushes must be >= 1, got {max_pending_flushes}."
+            )
+        self.rank = rank
+        self._factory = redis_client_factory
+        self._url = redis_url
+        self._max_pending = max_pending_flushes
+        self._clock = clock
+        self._member = f"{job}/{rank}"
+        self._new_process_state()
+        # A forked child must not resend the parent's counts.
+        ref = weakref.WeakMethod(self._new_process_state)
+        os.register_at_fork(after_in_child=lambda: (m := ref()) and m())
+
+    def _new_process_state(self) -> None:
+        self._lock = threading.Lock()  # served/waited vs the flush thread
+        self._flush_lock = threading.Lock()  # flush vs close
+        self._buckets: dict[int, dict[str, int]] = {}
+        self._rank_only: dict[str, int] = {}
+        self._epoch: int | None = None
+        self._pending: deque[_Batch] = deque()
+        self._seq = 0
+        self._id = uuid.uuid4().hex[:16]  # this reporter's seq namespace in Redis
+        self._client: redis.Redis | None = None
+        self._script: Any = None
+        self._retry_at = 0.0
+        self._failures = 0
+        self.failed_flushes = 0
+        self.lost_samples = 0
+        self.last_error: str | None = None
+
+    # -- training path: memory only ---------------------------------------------
+    def served(self, origin: str, samples: int, nbytes: int) -> None:
+        """Count ``samples`` (``nbytes`` in all) delivered from ``origin``.
+
+        Raises:
+            ConfigError: ``origin`` is not one of ``ORIGINS``.
+        """
+        names = _FIELDS.get(origin)
+        if names is None:
+            raise ConfigError(
+                f"origin must be one of {', '.join(map(repr, ORIGINS))}, got {origin!r}."
+            )
+        bucket = int(self._clock()) // SERIES_BUCKET_S * SERIES_BUCKET_S
+        with self._lock:
+            counts = self._buckets.setdefault(bucket, {})
+            counts[names[0]] = counts.get(names[0], 0) + samples
+            counts[names[1]] = counts.get(names[1], 0) + nbytes
+
+    def waited(self, seconds: float, epoch: int) -> None:
+        """Count time the training loop was blocked waiting for a batch."""
+        us = max(int(seconds * 1e6 + 0.5), 0)
+        bucket = int(self._clock()) // SERIES_BUCKET_S * SERIES_BUCKET_S
+        per_epoch = f"{_WAIT_EPOCH}{epoch}"
+        with self._lock:
+            counts = self._buckets.setdefault(bucket, {})
+            counts["wait_us"] = counts.get("wait_us", 0) + us
+            counts["waits"] = counts.get("waits", 0) + 1
+            self._rank_only[per_epoch] = self._rank_only.get(per_epoch, 0) + us
+            self._epoch = epoch
+
+    @property
+    def unflushed_samples(self) -> int:
+        """Samples counted here and not yet confirmed written to Redis."""
+        with self._lock:
+            current = sum(
+                c.get(_FIELDS[o][0], 0) for c in self._buckets.values() for o in ORIGINS
+            )
+        pending = sum(
+            b.totals().get(_FIELDS[o][0], 0)
+            for b in list(self._pending)
+            for o in ORIGINS
+        )
+        return current + pending
+
+    # -- background thread --------------------------------------------------------
+    def flush(self, *, force: bool = False) -> bool:
+        """Write everything counted so far in one round trip.
+
+        Returns ``True`` when Redis confirmed it all, ``False`` when Redis is
+        unreachable (counts are kept and retried with backoff; see the module
+        docstring for the bound). ``force`` ignores the backoff.
+        """
+        with self._flush_lock:
+            if not force and self._pending and time.monotonic() < self._retry_at:
+                return False
+            self._cut()
+            if not self._pending:
+                return True
+            batches = list(self._pending)
+            try:
+                self._send(batches)
+            except IndexUnavailable as exc:
+                self._failures += 1
+                self.failed_flushes += 1
+                self.last_error = str(exc)
+                backoff = min(FLUSH_INTERVAL_S * 2**self._failures, MAX_BACKOFF_S)
+                self._retry_at = time.monotonic() + backoff * random.uniform(0.5, 1.0)
+                return False
+            for _ in batches:
+                self._pending.popleft()
+            self._failures, self._retry_at, self.last_error = 0, 0.0, None
+            return True
+
+    def close(self) -> int:
+        """Flush one last time; returns the samples that could not be reported."""
+        if self.flush(force=True):
+            return 0
+        return self.unflushed_samples
+
+    def _cut(self) -> None:
+        """Move the current counts into a new pending batch (caller holds _flush_lock)."""
+        with self._lock:
+            if not self._buckets and not self._rank_only:
+                return
+            buckets, self._buckets = self._buckets, {}
+            rank_only, self._rank_only = self._rank_only, {}
+            epoch = self._epoch
+        self._seq += 1
+        batch = _Batch(self._seq, buckets, rank_only, {}, epoch)
+        self._pending.append(batch)
+        while len(self._pending) > self._max_pending:
+            # The newest batch was never sent, so it can still carry the loss
+            # (and the loss an older dropped batch was carrying).
+            dropped = self._pending.popleft().totals()
+            samples = sum(dropped.get(_FIELDS[o][0], 0) for o in ORIGINS)
+            nbytes = sum(dropped.get(_FIELDS[o][1], 0) for o in ORIGINS)
+            for f, n in (
+                ("lost_samples", samples + dropped.get("lost_samples", 0)),
+                ("lost_bytes", nbytes + dropped.get("lost_bytes", 0)),
+            ):
+                batch.lost[f] = batch.lost.get(f, 0) + n
+            self.lost_samples += samples
+
+    def _send(self, batches: Sequence[_Batch]) -> None:
+        with map_redis_errors(self._url):
+            if self._client is None:
+                self._client = self._factory()
+                self._script = self._client.register_script(_APPLY)
+            bucket_keys: list[str] = []
+            index: dict[int, int] = {}
+            docs = []
+            for b in batches:
+                pairs = []
+                for t, counts in sorted(b.buckets.items()):
+                    if t not in index:
+                        index[t] = 7 + len(bucket_keys)
+                        bucket_keys += [
+                            keys.usage_series_key(self.ns, self.dataset, t),
+                            keys.usage_job_series_key(
+                                self.ns, self.dataset, self.job, t
+                            ),
+                        ]
+                    pairs.append([index[t], _strs(counts)])
+                doc: dict[str, Any] = {
+                    "seq": b.seq,
+                    "totals": _strs(b.totals()),
+                    "rank": _strs(b.rank),
+                    "buckets": pairs,
+                }
+                if b.epoch is not None:
+                    doc["epoch"] = b.epoch
+                docs.append(doc)
+            self._script(
+                keys=[
+                    keys.usage_seq_key(self.ns, self.dataset, self._id),
+                    keys.usage_key(self.ns, self.dataset),
+                    keys.usage_job_key(self.ns, self.dataset, self.job),
+                    keys.usage_rank_key(self.ns, self.dataset, self._member),
+                    keys.usage_jobs_key(self.ns, self.dataset),
+                    keys.usage_ranks_key(self.ns, self.dataset),
+                    *bucket_keys,
+                ],
+                args=[
+                    json.dumps(
+                        {
+                            "ts": repr(self._clock()),
+                            "ttl": SERIES_TTL_S,
+                            "job": self.job,
+                            "member": self._member,
+                            "batches": docs,
+                        }
+                    )
+                ],
+            )
+
+
+def _strs(counts: Mapping[str, int]) -> dict[str, str]:
+    # Integers go to Lua as strings: a Lua number past 1e14 prints as 1e+14,
+    # which HINCRBY refuses.
+    return {f: str(int(n)) for f, n in counts.items() if n}
+
+
+class UsageReader:
+    """Reads the rank-reported figures; every method is one round trip.
+
+    Args:
+        client: a connected ``redis.Redis`` with ``decode_responses=True``.
+        namespace: the deployment namespace. Defaults to ``"default"``.
+        redis_url: named (redacted) in error messages. Defaults to ``""``.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        namespace: str = keys.DEFAULT_NAMESPACE,
+        redis_url: str = "",
+    ):
+        self.client = client
+        self.ns = keys.validate_name("namespace", namespace)
+        self._url = redis_url
+
+    def totals(self, dataset: str) -> UsageTotals:
+        """Everything the ranks reported for ``dataset``.
+
+        Raises:
+            IndexUnavailable: Redis is unreachable.
+        """
+        with map_redis_errors(self._url):
+            return UsageTotals.from_hash(
+                self.client.hgetall(keys.usage_key(self.ns, dataset))
+            )
+
+    def totals_many(self, datasets: Sequence[str]) -> dict[str, UsageTotals]:
+        pipe = self.client.pipeline(transaction=False)
+        for ds in datasets:
+            pipe.hgetall(keys.usage_key(self.ns, ds))
+        with map_redis_errors(self._url):
+            rows = pipe.execute() if datasets else []
+        return {
+            ds: UsageTotals.from_hash(r) for ds, r in zip(datasets, rows, strict=True)
+        }
+
+    def jobs(self, dataset: str, limit: int = JOBS_SHOWN) -> dict[str, UsageTotals]:
+        """The ``limit`` most recently reporting jobs and their totals, newest first."""
+        with map_redis_errors(self._url):
+            names = self.client.zrevrange(
+                keys.usage_jobs_key(self.ns, dataset), 0, limit - 1
+            )
+            pipe = self.client.pipeline(transaction=False)
+            for job in names:
+                pipe.hgetall(keys.usage_job_key(self.ns, dataset, job))
+            rows = pipe.execute() if names else []
+        return {
+            job: UsageTotals.from_hash(r) for job, r in zip(names, rows, strict=True)
+        }
+
+    def series(
+        self,
+        dataset: str,
+        window_s: int = 3600,
+        *,
+        job: str | None = None,
+        now: float | None = None,
+    ) -> list[tuple[int, UsageTotals]]:
+        """Totals per 10 s bucket over the last ``window_s``, oldest first (one
+        pipeline); of one ``job`` when given."""
+        end = int((time.time() if now is None else now) // SERIES_BUCKET_S)
+        end *= SERIES_BUCKET_S
+        buckets = range(end - window_s + SERIES_BUCKET_S, end + 1, SERIES_BUCKET_S)
+        pipe = self.client.pipeline(transaction=False)
+        for b in buckets:
+            pipe.hgetall(
+                keys.usage_series_key(self.ns, dataset, b)
+                if job is None
+                else keys.usage_job_series_key(self.ns, dataset, job, b)
+            )
+        with map_redis_errors(self._url):
+            rows = pipe.execute()
+        return [
+            (b, UsageTotals.from_hash(r))
+            for b, r in zip(buckets, rows, strict=True)
+            if r
+        ]
+
+    def ranks(self, dataset: str, limit: int = RANKS_SHOWN) -> list[RankUsage]:
+        """The ``limit`` most recently reporting ranks, sorted by job and rank."""
+        with map_redis_errors(self._url):
+            members = self.client.zrevrange(
+                keys.usage_ranks_key(self.ns, dataset), 0, limit - 1
+            )
+            pipe = self.client.pipeline(transaction=False)
+            for m in members:
+                pipe.hgetall(keys.usage_rank_key(self.ns, dataset, m))
+            rows = pipe.execute() if members else []
+        out = []
+        for member, raw in zip(members, rows, strict=True):
+            job, _, rank = member.rpartition("/")
+            per_epoch = {
+                int(f.removeprefix(_WAIT_EPOCH)): int(v) / 1e6
+                for f, v in raw.items()
+                if f.startswith(_WAIT_EPOCH)
+            }
+            out.append(
+                RankUsage(
+                    job=job,
+                    rank=rank,
+                    totals=UsageTotals.from_hash(raw),
+                    blocked_s_by_epoch=dict(sorted(per_epoch.items())),
+                    epoch=int(raw["epoch"]) if raw.get("epoch") else None,
+                    ts=float(raw.get("ts") or 0),
+                )
+            )
+        return sorted(
+            out, key=lambda r: (r.job, int(r.rank) if r.rank.isdigit() else 0)
+        )
