@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -20,8 +21,9 @@ CHART = ROOT / "helm" / "shardcache"
 K8S_VERSION = "1.35.0"
 CRD_KINDS = {
     "RayCluster",
+    "RayJob",
     "ServiceMonitor",
-}  # validated by their operators, not core OpenAPI
+}  # validated by their operators, not core OpenAPI; RayJob's structure below
 
 helm = pytest.importorskip("helm_python")
 pytestmark = pytest.mark.helm
@@ -301,3 +303,193 @@ def test_dockerfiles_pass_hadolint_and_copy_existing_paths():
             if line.startswith("COPY") and "--from" not in line:
                 for src in line.split()[1:-1]:
                     assert (ROOT / src).exists(), f"{f.name}: COPY {src} does not exist"
+
+
+RAYJOB_EXAMPLE = {
+    "kuberay": {"enabled": True},
+    "ray": {"head": {"jobSubmission": True}},
+    "examples": {"rayJob": {"enabled": True, "url": "s3://data/train/"}},
+}
+
+
+def _by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def _env_by_name(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def test_example_rayjob_is_not_rendered_by_default():
+    for values in ({}, {"kuberay": {"enabled": True}}):
+        objs = objects(values)
+        assert not _by_kind(objs, "RayJob")
+        assert not [o for o in objs if o["metadata"]["name"].endswith("-example")]
+
+
+def test_example_rayjob_selects_chart_raycluster_when_examples_rayjob_enabled_set():
+    objs = objects(RAYJOB_EXAMPLE)
+    (job,) = _by_kind(objs, "RayJob")
+    (cluster,) = _by_kind(objs, "RayCluster")
+    assert job["apiVersion"] == "ray.io/v1"
+    spec = job["spec"]
+    # An existing cluster: the cache's, selected by name, never deleted by the job.
+    assert spec["clusterSelector"] == {"ray.io/cluster": cluster["metadata"]["name"]}
+    assert "rayClusterSpec" not in spec
+    assert spec["shutdownAfterJobFinishes"] is False
+    assert spec["submissionMode"] == "K8sJobMode"
+    # The head serves the Jobs API the submitter talks to.
+    head = cluster["spec"]["headGroupSpec"]["rayStartParams"]
+    assert head["include-dashboard"] == "true" and head["dashboard-host"] == "0.0.0.0"
+
+
+def test_example_rayjob_entrypoint_and_runtime_env_run_the_shipped_script(
+    ray_train_example,
+):
+    objs = objects(RAYJOB_EXAMPLE)
+    (job,) = _by_kind(objs, "RayJob")
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:2] == ["python", "ray_train.py"]
+    args = ray_train_example.parse_args(argv[2:])
+    assert args.url == "s3://data/train/" and args.workers == 2
+    runtime_env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])
+    assert set(runtime_env) == {"working_dir"}  # no secret in the runtime env
+    pod = job["spec"]["submitterPodTemplate"]["spec"]
+    (submitter,) = pod["containers"]
+    (mount,) = [m for m in submitter["volumeMounts"] if m["name"] == "script"]
+    assert mount["mountPath"] == f"{runtime_env['working_dir']}/ray_train.py"
+    assert mount["subPath"] == "ray_train.py" and mount["readOnly"] is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "script"]
+    (config,) = [
+        o
+        for o in _by_kind(objs, "ConfigMap")
+        if o["metadata"]["name"] == volume["configMap"]["name"]
+    ]
+    assert (
+        config["data"]["ray_train.py"] == Path(ray_train_example.__file__).read_text()
+    )
+
+
+def test_example_rayjob_submitter_is_a_valid_pod_with_the_ray_token():
+    import kubernetes_validate
+
+    objs = objects(RAYJOB_EXAMPLE)
+    (job,) = _by_kind(objs, "RayJob")
+    (cluster,) = _by_kind(objs, "RayCluster")
+    template = job["spec"]["submitterPodTemplate"]
+    kubernetes_validate.validate(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "submitter", **template["metadata"]},
+            "spec": template["spec"],
+        },
+        K8S_VERSION,
+        strict=True,
+    )
+    # The NetworkPolicies admit the cache's own pods by this label.
+    assert template["metadata"]["labels"]["app.kubernetes.io/instance"] == "rel"
+    spec = template["spec"]
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    (submitter,) = spec["containers"]
+    assert submitter["securityContext"]["readOnlyRootFilesystem"] is True
+    env = _env_by_name(submitter)
+    assert env["RAY_AUTH_MODE"]["value"] == "token"
+    cluster_env = _env_by_name(
+        cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    )
+    assert (
+        env["RAY_AUTH_TOKEN"]["valueFrom"] == cluster_env["RAY_AUTH_TOKEN"]["valueFrom"]
+    )
+    assert "SHARDCACHE_REDIS_PASSWORD" not in env  # the submitter never reads Redis
+
+
+def test_example_rayjob_driver_and_ranks_get_redis_url_from_the_chart_secret():
+    # The entrypoint runs on the head and the ranks in the cache worker pods;
+    # Ray workers inherit those pods' env, which the chart fills from its Secret.
+    objs = objects(RAYJOB_EXAMPLE)
+    (cluster,) = _by_kind(objs, "RayCluster")
+    secret = next(
+        o for o in _by_kind(objs, "Secret") if "redis-password" in o.get("data", {})
+    )
+    groups = [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]
+    for group in groups:
+        env = _env_by_name(group["template"]["spec"]["containers"][0])
+        ref = env["SHARDCACHE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": secret["metadata"]["name"], "key": "redis-password"}
+        assert "$(SHARDCACHE_REDIS_PASSWORD)@" in env["SHARDCACHE_REDIS_URL"]["value"]
+        assert env["RAY_AUTH_MODE"]["value"] == "token"
+
+
+def test_example_rayjob_passes_s3_endpoint_when_s3_endpoint_url_set(
+    ray_train_example,
+):
+    values = {**RAYJOB_EXAMPLE, "s3": {"endpointUrl": "http://minio:9000"}}
+    (job,) = _by_kind(objects(values), "RayJob")
+    args = ray_train_example.parse_args(shlex.split(job["spec"]["entrypoint"])[2:])
+    assert args.storage_options == {"endpoint_url": "http://minio:9000"}
+
+
+def test_example_rayjob_fails_once_naming_every_missing_prerequisite():
+    with pytest.raises(Exception, match="kuberay.enabled=true") as info:
+        render({"examples": {"rayJob": {"enabled": True}}})
+    text = str(info.value)
+    assert "ray.head.jobSubmission=true" in text and "examples.rayJob.url" in text
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ({"examples": {"rayJob": {"workers": 0}}}, "workers"),
+        ({"examples": {"rayJob": {"url": "/local/path"}}}, "url"),
+        ({"examples": {"rayJob": {"bogus": 1}}}, "bogus"),
+    ],
+)
+def test_values_schema_rejects_bad_example_values(bad, match):
+    with pytest.raises(Exception, match=match):
+        render(bad)
+
+
+def test_plain_ray_head_serves_jobs_api_only_when_job_submission_set():
+    def head(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        objs = objects(values)
+        deploy = next(
+            o
+            for o in _by_kind(objs, "Deployment")
+            if o["metadata"]["name"].endswith("-ray-head")
+        )
+        svc = next(
+            o
+            for o in _by_kind(objs, "Service")
+            if o["metadata"]["name"].endswith("-ray-head")
+        )
+        return deploy["spec"]["template"]["spec"]["containers"][0], svc
+
+    container, svc = head({})
+    assert "--include-dashboard=false" in container["command"]
+    assert 8265 not in {p["port"] for p in svc["spec"]["ports"]}
+    container, svc = head({"ray": {"head": {"jobSubmission": True}}})
+    assert "--include-dashboard=true" in container["command"]
+    assert "--dashboard-host=0.0.0.0" in container["command"]
+    assert {"name": "dashboard", "containerPort": 8265} in container["ports"]
+    assert 8265 in {p["port"] for p in svc["spec"]["ports"]}
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{}, {"kuberay": {"enabled": True}}, RAYJOB_EXAMPLE],
+    ids=["default", "kuberay", "rayjob-example"],
+)
+def test_notes_never_tell_a_pod_outside_ray_to_ray_init(values):
+    # A Ray driver needs a raylet on its own node (ray-project/ray#29893), so a
+    # torchrun or PyTorchJob pod cannot ray.init() against the head's address.
+    notes = render(values)["shardcache/templates/NOTES.txt"][0]["NOTES"]
+    assert "ray.init" not in notes
+    assert "RAY_ADDRESS" not in notes
+    assert "PyTorchJob" in notes and "not yet available" in notes.lower()
+    assert "RayJob" in notes
+
+
+def test_notes_name_the_rendered_example_rayjob_when_examples_rayjob_enabled_set():
+    notes = render(RAYJOB_EXAMPLE)["shardcache/templates/NOTES.txt"][0]["NOTES"]
+    assert "rayjob/rel-shardcache-ray-train-example" in notes

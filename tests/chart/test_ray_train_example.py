@@ -7,51 +7,36 @@ the cache's RayCluster.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "helm" / "shardcache" / "examples" / "ray_train.py"
 COUNT = 20  # objects
 SIZE = 64  # bytes per object
 
-pytestmark = pytest.mark.slow
 
-
-def _load_example() -> ModuleType:
-    import ray.cloudpickle
-
-    spec = importlib.util.spec_from_file_location(
-        "shardcache_ray_train_example", EXAMPLE
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    # Submitted as a job the script is __main__ and pickled by value; imported
-    # here, its functions must be too, since Ray workers cannot import the file.
-    ray.cloudpickle.register_pickle_by_value(module)
-    return module
-
-
-def test_ray_train_example_parse_args_rejects_zero_workers():
-    example = _load_example()
+def test_ray_train_example_parse_args_rejects_zero_workers(ray_train_example):
+    example = ray_train_example
     with pytest.raises(SystemExit):
         example.parse_args(["s3://b/d/", "--workers", "0"])
     args = example.parse_args(["s3://b/d/", "--use-gpu", "--storage-options", "{}"])
     assert args.use_gpu and args.workers == 2 and args.storage_options == {}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ray_train_example_main_trains_two_ranks_over_the_cache(
-    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace, tmp_path
+    ray_cluster,
+    s3,
+    s3fs_client,
+    bucket,
+    redis_url,
+    namespace,
+    tmp_path,
+    ray_train_example: ModuleType,
 ):
-    example = _load_example()
+    example = ray_train_example
     s3fs_client.pipe(
         {f"{bucket}/d/{i:03d}.bin": bytes([i]) * SIZE for i in range(COUNT)}
     )

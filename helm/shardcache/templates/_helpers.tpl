@@ -102,6 +102,17 @@ app.kubernetes.io/component: {{ .component }}
 {{- if gt (int64 .Values.cache.cacheBytes) (int64 .Values.ray.objectStoreBytes) }}
 {{- $messages = append $messages "cache.cacheBytes must not exceed ray.objectStoreBytes: the store budget lives in the object store." }}
 {{- end }}
+{{- with .Values.examples.rayJob }}
+{{- if and .enabled (not $.Values.kuberay.enabled) }}
+{{- $messages = append $messages "examples.rayJob.enabled needs kuberay.enabled=true: the RayJob selects the chart's RayCluster by name." }}
+{{- end }}
+{{- if and .enabled (not $.Values.ray.head.jobSubmission) }}
+{{- $messages = append $messages "examples.rayJob.enabled needs ray.head.jobSubmission=true: a RayJob is submitted through the head's Jobs API (port 8265)." }}
+{{- end }}
+{{- if and .enabled (not .url) }}
+{{- $messages = append $messages "examples.rayJob.url: set the dataset URL the example trains on, e.g. s3://bucket/train/." }}
+{{- end }}
+{{- end }}
 {{- if $messages }}
 {{- fail (printf "\nVALUES VALIDATION:\n%s" (join "\n" $messages)) }}
 {{- end }}
