@@ -8,8 +8,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import typer
+from rich import box
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from shardcache.errors import ShardCacheError
 
@@ -106,41 +107,92 @@ def warm(
     )
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
 @app.command()
 def stats(
     name: str = typer.Argument(None, help="dataset; default: all"),
+    by_job: bool = typer.Option(False, "--by-job", help="a row per recent job"),
     redis_url: str = RedisOpt,
     namespace: str = NamespaceOpt,
 ) -> None:
-    """Hit rate, misses and remote reads per dataset."""
+    """Hit rate of the samples ranks delivered (local/peer/source), GETs saved,
+    and the stores' own traffic apart."""
+    from shardcache.usage import ORIGINS, UsageReader
+
     with _friendly_errors():
         index = _index(redis_url, namespace)
+        usage = UsageReader(index.client, namespace, index.url)
         names = [name] if name else index.datasets()
-        table = Table(
-            "dataset",
-            "generation",
+        served = Table(
+            Column("dataset", no_wrap=True),
+            "job" if by_job else "gen",
+            Column("samples", no_wrap=True),
+            Column("hit rate", no_wrap=True),
+            Column("by bytes", no_wrap=True),
+            Column("local", no_wrap=True),
+            Column("peer", no_wrap=True),
+            Column("source", no_wrap=True),
+            Column("GETs saved", min_width=5),
+            Column("blocked s", min_width=7),
+            title="Samples delivered to ranks (rank-reported; origins by samples)",
+            box=box.SIMPLE_HEAD,
+            pad_edge=False,
+            collapse_padding=True,
+        )
+        lost: list[str] = []
+        store = Table(
+            Column("dataset", no_wrap=True),
             "hits",
             "misses",
-            "hit rate",
-            "remote reads",
+            Column("hit rate", no_wrap=True),
+            "GETs to source",
             "MiB read",
             "errors",
             "evictions",
+            title="Store traffic (requests that reached a store)",
+            box=box.SIMPLE_HEAD,
+            pad_edge=False,
+            collapse_padding=True,
         )
         for ds in names:
             record, s = index.dataset(ds), index.stats(ds)
-            table.add_row(
+            rows = [(str(record.generation if record else "-"), usage.totals(ds))]
+            if by_job:
+                rows = list(usage.jobs(ds).items())
+            for label, t in rows:
+                f = t.as_dict()
+                served.add_row(
+                    ds,
+                    label,
+                    str(f["samples"]),
+                    _pct(f["hit_rate"]),
+                    _pct(f["byte_hit_rate"]),
+                    *(_pct(f["sample_ratio"][o]) for o in ORIGINS),
+                    str(f["gets_saved"]),
+                    f"{f['blocked_s']:.1f}",
+                )
+                if f["lost_samples"]:
+                    lost.append(
+                        f"{ds} {label}: {f['lost_samples']} samples served while "
+                        "Redis was unreachable too long were never reported"
+                    )
+            store.add_row(
                 ds,
-                str(record.generation if record else "-"),
                 str(s.hits),
                 str(s.misses),
-                f"{s.hit_rate:.1%}",
+                _pct(s.hit_rate if s.hits + s.misses else None),
                 str(s.remote_reads),
                 f"{s.bytes_read / 2**20:.1f}",
                 str(s.errors),
                 str(s.evictions),
             )
-    console.print(table)
+    console.print(served)
+    for line in lost:
+        console.print(f"[yellow]lost:[/] {line}")
+    console.print(store)
 
 
 @app.command()

@@ -1,0 +1,158 @@
+"""What every view shows for a dataset: the page, ``/metrics`` and ``shardcache stats``.
+
+One place builds the figures so the three agree. The headline (hit rate,
+GETs saved, origins, blocked time) is what the ranks reported
+(``shardcache.usage``); the stores' own counters are *store traffic* and sit
+under ``"store"``, never added to the headline.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from shardcache.index import HitStats, RedisIndex
+from shardcache.usage import RankUsage, UsageReader
+
+__all__ = ["dataset_overview", "node_rows", "rank_rows", "store_traffic"]
+
+GENERATIONS_SHOWN = 5  # the cost of the last few version bumps
+EXACT_BYTES_MAX_ENTRIES = 50_000  # above this, cached bytes are estimated per poll
+STRAGGLER_FACTOR = 2.0  # a rank is a straggler past twice the median
+STRAGGLER_MIN_EXTRA_S = 1.0  # ...and at least this much more blocked time
+
+
+def store_traffic(s: HitStats) -> dict[str, Any]:
+    """The stores' own counters: requests that reached a store, not samples served."""
+    return {
+        "hits": s.hits,
+        "misses": s.misses,
+        "hit_rate": s.hit_rate if s.hits + s.misses else None,
+        "remote_reads": s.remote_reads,
+        "bytes_read": s.bytes_read,
+        "bytes_served": s.bytes_served,
+        "errors": s.errors,
+        "evictions": s.evictions,
+        "uncached": s.uncached,
+    }
+
+
+def dataset_overview(
+    index: RedisIndex, usage: UsageReader, name: str
+) -> dict[str, Any] | None:
+    """Everything the page shows for one dataset, from Redis alone."""
+    record = index.dataset(name)
+    if record is None:
+        return None
+    cached = index.entry_count(name, record.generation)
+    # Summing sizes reads every entry: fine for small datasets, too much on
+    # every 5 s poll at millions of objects, where the mean size stands in.
+    if cached <= EXACT_BYTES_MAX_ENTRIES:
+        entries = index.entries(name, record.generation)
+        cached_bytes = sum(int(e.get("size", 0)) for e in entries.values())
+        bytes_estimated = False
+    else:
+        cached_bytes = int(cached * record.total_bytes / max(record.objects, 1))
+        bytes_estimated = True
+    generations = [
+        {"generation": g, **store_traffic(index.generation_stats(name, g))}
+        for g in range(
+            max(1, record.generation - GENERATIONS_SHOWN + 1), record.generation + 1
+        )
+    ]
+    return {
+        "name": name,
+        "source": record.source,
+        "generation": record.generation,
+        "created_at": record.created_at,
+        "invalidated_at": record.invalidated_at,
+        "objects_total": record.objects,
+        "objects_cached": cached,
+        "bytes_total": record.total_bytes,
+        "bytes_cached": cached_bytes,
+        "bytes_cached_estimated": bytes_estimated,
+        **usage.totals(name).as_dict(),
+        "jobs": [{"job": job, **t.as_dict()} for job, t in usage.jobs(name).items()],
+        "store": store_traffic(index.stats(name)),
+        "generations": generations,
+    }
+
+
+def node_rows(index: RedisIndex) -> list[dict[str, Any]]:
+    """Per store: memory, entries and its store-traffic hit rate."""
+    out = []
+    now = time.time()
+    datasets = index.datasets()
+    stores = index.stores()
+    per_pair = index.node_stats_many(datasets, list(stores))
+    for node, info in sorted(stores.items()):
+        hits = misses = evictions = 0
+        for ds in datasets:
+            s = per_pair[(ds, node)]
+            hits, misses = hits + s.hits, misses + s.misses
+            evictions += s.evictions
+        out.append(
+            {
+                "node": node,
+                "used_bytes": info.get("used_bytes", 0),
+                "budget_bytes": info.get("budget_bytes", 0),
+                "entries": info.get("entries", 0),
+                "eviction": info.get("eviction"),
+                "evictions": evictions,
+                "hit_rate": hits / (hits + misses) if hits + misses else None,
+                "age_s": now - float(info.get("ts", 0) or 0),
+            }
+        )
+    return out
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[(len(values) - 1) // 2] if values else 0.0  # median_low
+
+
+def rank_rows(index: RedisIndex, usage: UsageReader, name: str) -> list[dict[str, Any]]:
+    """One row per ``job/rank``: its wait percentiles (its own report) and what
+    it delivered and how long it was blocked (its usage counters)."""
+    reports = index.ranks(name)
+    used: dict[str, RankUsage] = {f"{r.job}/{r.rank}": r for r in usage.ranks(name)}
+    rows = []
+    for key in sorted(set(reports) | set(used)):
+        job, _, rank = key.rpartition("/")
+        report, u = reports.get(key, {}), used.get(key)
+        totals = u.totals.as_dict() if u else None
+        own = int(report.get("hits", 0)) + int(report.get("misses", 0))
+        rows.append(
+            {
+                "job": job,
+                "rank": rank,
+                "generation": report.get("generation"),
+                "epoch": u.epoch if u and u.epoch is not None else report.get("epoch"),
+                "wait_p50_ms": float(report.get("wait_p50_ms", 0.0)),
+                "wait_p99_ms": float(report.get("wait_p99_ms", 0.0)),
+                "samples": totals["samples"] if totals else own,
+                "hit_rate": totals["hit_rate"]
+                if totals
+                else (int(report.get("hits", 0)) / own if own else None),
+                "sample_ratio": totals["sample_ratio"] if totals else None,
+                "blocked_s": totals["blocked_s"] if totals else None,
+                "blocked_s_by_epoch": {
+                    str(e): s for e, s in (u.blocked_s_by_epoch if u else {}).items()
+                },
+                "lost_samples": totals["lost_samples"] if totals else 0,
+            }
+        )
+    # A straggler is the rank that waited: by its p99 batch wait, or by the
+    # total time its loop was blocked (a rank can be slow without a bad p99).
+    median_p99 = _median([r["wait_p99_ms"] for r in rows])
+    median_blocked = _median([r["blocked_s"] for r in rows if r["blocked_s"]])
+    for r in rows:
+        blocked = r["blocked_s"] or 0.0
+        r["straggler"] = bool(
+            (median_p99 and r["wait_p99_ms"] > STRAGGLER_FACTOR * median_p99)
+            or (
+                median_blocked
+                and blocked > STRAGGLER_FACTOR * median_blocked
+                and blocked - median_blocked >= STRAGGLER_MIN_EXTRA_S
+            )
+        )
+    return rows
