@@ -293,6 +293,7 @@ class UsageReporter:
         self._flush_lock = threading.Lock()  # flush vs close
         self._buckets: dict[int, dict[str, int]] = {}
         self._rank_only: dict[str, int] = {}
+        self._lost: dict[str, int] = {}  # dropped, to be reported by the next batch
         self._epoch: int | None = None
         self._pending: deque[_Batch] = deque()
         self._seq = 0
@@ -372,6 +373,7 @@ class UsageReporter:
                 self.last_error = str(exc)
                 backoff = min(FLUSH_INTERVAL_S * 2**self._failures, MAX_BACKOFF_S)
                 self._retry_at = time.monotonic() + backoff * random.uniform(0.5, 1.0)
+                self._drop_oldest()
                 return False
             for _ in batches:
                 self._pending.popleft()
@@ -382,22 +384,25 @@ class UsageReporter:
         """Flush one last time; returns the samples that could not be reported."""
         if self.flush(force=True):
             return 0
-        return self.unflushed_samples
+        dropped = self._lost.get("lost_samples", 0)
+        carried = sum(b.lost.get("lost_samples", 0) for b in self._pending)
+        return self.unflushed_samples + dropped + carried
 
     def _cut(self) -> None:
         """Move the current counts into a new pending batch (caller holds _flush_lock)."""
         with self._lock:
-            if not self._buckets and not self._rank_only:
+            if not (self._buckets or self._rank_only or any(self._lost.values())):
                 return
             buckets, self._buckets = self._buckets, {}
             rank_only, self._rank_only = self._rank_only, {}
             epoch = self._epoch
         self._seq += 1
-        batch = _Batch(self._seq, buckets, rank_only, {}, epoch)
-        self._pending.append(batch)
+        lost, self._lost = self._lost, {}
+        self._pending.append(_Batch(self._seq, buckets, rank_only, lost, epoch))
+
+    def _drop_oldest(self) -> None:
+        """Past the bound, the oldest batch goes; the next batch reports it as lost."""
         while len(self._pending) > self._max_pending:
-            # The newest batch was never sent, so it can still carry the loss
-            # (and the loss an older dropped batch was carrying).
             dropped = self._pending.popleft().totals()
             samples = sum(dropped.get(_FIELDS[o][0], 0) for o in ORIGINS)
             nbytes = sum(dropped.get(_FIELDS[o][1], 0) for o in ORIGINS)
@@ -405,7 +410,7 @@ class UsageReporter:
                 ("lost_samples", samples + dropped.get("lost_samples", 0)),
                 ("lost_bytes", nbytes + dropped.get("lost_bytes", 0)),
             ):
-                batch.lost[f] = batch.lost.get(f, 0) + n
+                self._lost[f] = self._lost.get(f, 0) + n
             self.lost_samples += samples
 
     def _send(self, batches: Sequence[_Batch]) -> None:
