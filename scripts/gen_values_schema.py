@@ -32,6 +32,9 @@ EXTRA: dict[str, dict[str, Any]] = {
     "cacheNamespace": {"pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"},
     "redis.external.url": {"pattern": "^$|^rediss?://"},
     "redis.persistence.size": {"pattern": "^[0-9]+(Ki|Mi|Gi|Ti)$"},
+    "metrics.grafanaDashboard.namespace": {
+        "pattern": "^$|^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+    },
     "examples.rayJob.url": {"pattern": "^$|^[a-z][a-z0-9+.-]*://"},
     "examples.rayJob.workers": {"minimum": 1},
     "examples.rayJob.epochs": {"minimum": 1},
