@@ -95,11 +95,11 @@ def test_dashboard_overview_shows_store_counters_as_store_traffic(filled, redis_
 def test_dashboard_estimates_cached_bytes_past_the_exact_limit(
     filled, redis_url, monkeypatch
 ):
-    import shardcache_server.dashboard as dashboard
+    import shardcache_server.overview as overview
 
     ns, index = filled
     exact = TestClient(create_app(redis_url, ns)).get("/api/overview").json()
-    monkeypatch.setattr(dashboard, "EXACT_BYTES_MAX_ENTRIES", 0)
+    monkeypatch.setattr(overview, "EXACT_BYTES_MAX_ENTRIES", 0)
     (ds,) = (
         TestClient(create_app(redis_url, ns)).get("/api/overview").json()["datasets"]
     )
