@@ -29,6 +29,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from memory import tree_anon  # noqa: E402
+
 from ranks import PREPROCESS, _init_group, measure_epochs  # noqa: E402
 
 # Mosaic hands out read-only views of its shards, as the SDK does of Ray's
@@ -38,8 +40,15 @@ SHARD_BYTES = 8 * 2**20  # as LitData's chunk_bytes in this benchmark
 CONVERT_THREADS = 8  # concurrent source reads while converting
 
 
-def remote_dir(cfg: dict[str, Any]) -> str:
+def remote_dir(cfg: dict[str, Any]) -> str | None:
+    """Where the shards are uploaded; none with ``--source local``."""
+    if cfg["source"] == "local":
+        return None
     return f"s3://bench/mosaic-{cfg['namespace']}"
+
+
+def out_dir(cfg: dict[str, Any]) -> str:
+    return f"{cfg['tmp']}/mosaic-out-{cfg['namespace']}"  # per run: starts cold
 
 
 def _s3_env(cfg: dict[str, Any]) -> None:
@@ -53,22 +62,31 @@ def _s3_env(cfg: dict[str, Any]) -> None:
 
 
 def convert(cfg: dict[str, Any]) -> None:
-    """Read + preprocess every object once into MDS shards, uploaded to S3."""
-    import boto3
+    """Read + preprocess every object once into MDS shards, uploaded to S3
+    (or left on local disk with ``--source local``)."""
     from streaming import MDSWriter
 
-    _s3_env(cfg)
-    s3 = boto3.client("s3", endpoint_url=cfg["endpoint"])
     pre = PREPROCESS[cfg["dataset"]]
+    if cfg["source"] == "local":
 
-    def load(url: str) -> np.ndarray:
-        bucket, key = url.removeprefix("s3://").split("/", 1)
-        return pre(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+        def load(url: str) -> np.ndarray:
+            with open(url, "rb") as f:
+                return pre(f.read())
 
-    local = f"{cfg['tmp']}/mosaic-out-{cfg['namespace']}"  # per run: starts cold
+    else:
+        import boto3
+
+        _s3_env(cfg)
+        s3 = boto3.client("s3", endpoint_url=cfg["endpoint"])
+
+        def load(url: str) -> np.ndarray:
+            bucket, key = url.removeprefix("s3://").split("/", 1)
+            return pre(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+
+    remote = remote_dir(cfg)
     with (
         MDSWriter(
-            out=(local, remote_dir(cfg)),
+            out=(out_dir(cfg), remote) if remote else out_dir(cfg),
             columns={"x": "ndarray"},
             size_limit=SHARD_BYTES,
         ) as writer,
@@ -78,18 +96,13 @@ def convert(cfg: dict[str, Any]) -> None:
             writer.write({"x": x})
 
 
-def _collate(items: list[dict[str, np.ndarray]]) -> list[Any]:
-    import torch
-
-    return [torch.from_numpy(i["x"]) for i in items]
-
-
 def run_rank(cfg: dict[str, Any], rank: int) -> list[dict[str, Any]]:
     """One rank: StreamingDataset over the shards, cached on its node's disk."""
     import torch.distributed as dist
     from streaming import StreamingDataLoader, StreamingDataset
 
-    _s3_env(cfg)
+    if cfg["source"] != "local":
+        _s3_env(cfg)
     per_node = cfg["ranks_per_node"]
     node = rank // per_node
     # Mosaic reads the layout from the torchrun environment.
@@ -102,9 +115,15 @@ def run_rank(cfg: dict[str, Any], rank: int) -> list[dict[str, Any]]:
         MASTER_PORT=str(cfg["port"]),
     )
     _init_group(rank, cfg)
+    anon0 = tree_anon(os.getpid())
+    remote = remote_dir(cfg)
     ds = StreamingDataset(
-        remote=remote_dir(cfg),
-        local=f"{cfg['tmp']}/mosaic-cache-{cfg['namespace']}-node{node}",
+        remote=remote,
+        local=(
+            f"{cfg['tmp']}/mosaic-cache-{cfg['namespace']}-node{node}"
+            if remote
+            else out_dir(cfg)
+        ),
         shuffle=True,
         shuffle_seed=1,
         batch_size=cfg["batch_size"],
@@ -113,10 +132,16 @@ def run_rank(cfg: dict[str, Any], rank: int) -> list[dict[str, Any]]:
         ds,
         batch_size=cfg["batch_size"],
         num_workers=cfg["workers"],
-        collate_fn=_collate,
         persistent_workers=cfg["workers"] > 0,
     )
-    rows = measure_epochs("mosaic", rank, cfg, lambda epoch: loader)
+    rows = measure_epochs(
+        "mosaic",
+        rank,
+        cfg,
+        lambda epoch: loader,
+        anon_before=anon0,
+        path="StreamingDataLoader (default collate)",
+    )
     dist.destroy_process_group()
     return rows
 

@@ -1,11 +1,14 @@
 """Side-by-side benchmark: shardcache vs what users would pick instead, in one run.
 
-    scripts/bench.sh                      # full run, writes bench/results/<date>.json + BENCHMARKS.md
-    scripts/bench.sh --quick              # a small smoke run
+    scripts/bench.sh                      # full run: both sources, BENCHMARKS.md
+    scripts/bench.sh --quick              # small smoke run, written to a temp dir
 
-Storage is moto's S3 behind the emulator's seeded latency model; GETs are
-counted at the server. Ranks are gloo processes; each "training step" is a
-fixed sleep plus an all-reduce, so ranks run in lockstep and stragglers show.
+Two source profiles: ``s3`` (moto behind the emulator's seeded latency model;
+GETs counted at the server) and ``local`` (the same datasets as files on
+local disk, page cache warm, no latency: the cold epoch is CPU bound). Ranks
+are gloo processes; each "training step" is a fixed sleep plus an
+all-reduce, so ranks run in lockstep and stragglers show. Every system hands
+the loop a collated batch built by its own recommended path.
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ sys.path.insert(0, str(HERE))
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
 )
-NODES, RANKS_PER_NODE = 2, 2
 SYSTEMS = (
     "plain",
     "manager_dict",
@@ -52,11 +54,18 @@ SYSTEMS = (
     "mosaic",
     "shardcache",
 )
+QUICK_SYSTEMS = ("plain", "ray_data", "shardcache")
+# Caching a local file on local disk measures nothing.
+REMOTE_ONLY = ("simplecache",)
 # Mosaic Streaming runs in an environment of its own (bench/mosaic.py says why).
 MOSAIC_PYTHON = HERE.parent / ".venv-mosaic" / "bin" / "python"
-# shardcache under a cache holding half the dataset, and with 1% changed upstream.
+# shardcache under a cache holding half the dataset, and with 1% changed
+# upstream; run on the s3 source, where GETs are counted.
 SCENARIOS = ("shardcache_lru50", "shardcache_static50", "shardcache_changed1")
 RAY_SYSTEMS = ("ray_data", "shardcache", *SCENARIOS)
+DATASETS = ("images", "blobs")
+MIN_WARM_BATCHES = 100  # per rank, so a warm p99 is not a maximum
+MEMCPY_BYTES = 256 * 2**20  # source of the memcpy reference: well past the caches
 
 
 def _torch_rank(system: str, rank: int, cfg: dict[str, Any], out: Any) -> None:
@@ -65,17 +74,26 @@ def _torch_rank(system: str, rank: int, cfg: dict[str, Any], out: Any) -> None:
     out.put(run_torch_rank(system, rank, cfg))
 
 
-def memcpy_gbps(nbytes_per_sample: int, samples: int) -> float:
-    src = np.random.default_rng(0).integers(
-        0, 255, nbytes_per_sample * samples, dtype=np.uint8
-    )
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t)
-    return src.nbytes / best / 1e9
+def memcpy_gbps(batch_bytes: int) -> float:
+    """Batch-sized copies into freshly allocated tensors on one thread, out of
+    a source larger than the caches: what collating the same bytes costs at
+    memory bandwidth. Best of 3 passes."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks collate on one thread
+    try:
+        n = max(4, MEMCPY_BYTES // batch_bytes)
+        src = torch.randint(0, 255, (n, batch_bytes), dtype=torch.uint8)
+        best = float("inf")
+        for _ in range(3):
+            started = time.perf_counter()
+            for i in range(n):
+                torch.empty(batch_bytes, dtype=torch.uint8).copy_(src[i])
+            best = min(best, time.perf_counter() - started)
+        return n * batch_bytes / best / 1e9
+    finally:
+        torch.set_num_threads(threads)
 
 
 def calibrate_storage(emulator: Any, fs: Any, url: str) -> dict[str, float]:
@@ -122,7 +140,7 @@ def _run_processes(system: str, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     for p in procs:
         p.start()
     rows: list[dict[str, Any]] = []
-    deadline = time.monotonic() + 600  # a hung system costs 10 minutes, not the run
+    deadline = time.monotonic() + 1800  # a hung system costs 30 minutes, not the run
     while len(rows) < cfg["world"] * cfg["epochs"]:
         try:
             rows += out.get(timeout=5)
@@ -139,30 +157,37 @@ def _run_processes(system: str, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _ray_data_splits(cfg: dict[str, Any]) -> tuple[list[Any], float]:
+def _ray_data_splits(cfg: dict[str, Any]) -> list[Any]:
     """read_binary_files + map(preprocess) + materialize(), split per rank."""
-    import pyarrow.fs
     import ray
+    from memory import machine_busy_s
 
     from ranks import PREPROCESS
 
     pre = PREPROCESS[cfg["dataset"]]
-    endpoint = cfg["endpoint"]
-    fs = pyarrow.fs.S3FileSystem(
-        access_key="testing",
-        secret_key="testing",
-        endpoint_override=endpoint.split("://", 1)[1],
-        scheme="http",
-        region="us-east-1",
-    )
+    kwargs: dict[str, Any] = {}
+    path = cfg["prefix"]
+    if cfg["source"] == "s3":
+        import pyarrow.fs
+
+        kwargs["filesystem"] = pyarrow.fs.S3FileSystem(
+            access_key="testing",
+            secret_key="testing",
+            endpoint_override=cfg["endpoint"].split("://", 1)[1],
+            scheme="http",
+            region="us-east-1",
+        )
+        path = path.removeprefix("s3://")
     ray.data.DataContext.get_current().enable_progress_bars = False
-    started = time.perf_counter()
+    started, busy0 = time.perf_counter(), machine_busy_s()
     ds = (
-        ray.data.read_binary_files(cfg["prefix"].removeprefix("s3://"), filesystem=fs)
+        ray.data.read_binary_files(path, **kwargs)
         .map(lambda row: {"x": pre(row["bytes"])})
         .materialize()
     )
-    return ds.streaming_split(cfg["world"], equal=True), time.perf_counter() - started
+    cfg["prepare_s"] = time.perf_counter() - started
+    cfg["prepare_cpu_s"] = machine_busy_s() - busy0
+    return ds.streaming_split(cfg["world"], equal=True)
 
 
 def _run_ray_ranks(system: str, cfg: dict[str, Any]) -> list[dict[str, Any]]:
@@ -173,12 +198,12 @@ def _run_ray_ranks(system: str, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     env = {"SHARDCACHE_" + k.upper(): str(v) for k, v in cfg["store_env"].items()}
     splits: list[Any] = [None] * cfg["world"]
     if system == "ray_data":
-        splits, cfg["prepare_s"] = _ray_data_splits(cfg)
+        splits = _ray_data_splits(cfg)
     actor = ray.remote(RayRank)
     ranks = [
         actor.options(
             num_cpus=0,
-            resources={f"node{r // RANKS_PER_NODE}": 0.01},
+            resources={f"node{r // cfg['ranks_per_node']}": 0.01},
             runtime_env={"env_vars": env},
         ).remote(env)
         for r in range(cfg["world"])
@@ -243,7 +268,7 @@ def _run_mosaic_ranks(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     _wait_all(
         "mosaic",
         [_mosaic(cfg, "node", str(n), str(out_dir), own_shm=True) for n in nodes],
-        600,
+        1800,
     )
     return [
         row
@@ -253,56 +278,143 @@ def _run_mosaic_ranks(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _litdata_convert(cfg: dict[str, Any]) -> None:
-    """LitData's optimize(): chunks uploaded next to the source."""
-    import s3fs
-
+    """LitData's optimize(): chunks uploaded next to the source (or kept local)."""
     from systems import litdata_convert
 
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, **cfg["storage_options"])
+    fs = None
+    if cfg["source"] == "s3":
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **cfg["storage_options"])
     cfg["litdata_prefix"] = litdata_convert(cfg, fs)
 
 
 def _mosaic_convert(cfg: dict[str, Any]) -> None:
     """Mosaic's MDSWriter, in Mosaic's own environment."""
-    _wait_all("mosaic conversion", [_mosaic(cfg, "convert")], 600)
+    _wait_all("mosaic conversion", [_mosaic(cfg, "convert")], 1800)
 
 
 CONVERSIONS = {"litdata": _litdata_convert, "mosaic": _mosaic_convert}
 
 
-def run_system(system: str, cfg: dict[str, Any], emulator: Any) -> list[dict[str, Any]]:
-    emulator.reset_counts()
-    cfg = {**cfg, "port": _free_port(), "prepare_s": 0.0, "prepare_gets": 0}
+def _start_stores(cfg: dict[str, Any]) -> None:
+    """Start this run's stores with a one-object dataset in the same namespace,
+    so the memory baseline is taken with the store processes already up."""
+    from ranks import shardcache_batches, shardcache_dataset
+
+    ds = shardcache_dataset(
+        cfg, 0, 1, urls=[cfg["urls"][0]], name=f"warmup-{cfg['dataset']}"
+    )
+    batches, _ = shardcache_batches(ds, 1, cfg["shardcache_path"])
+    ds.set_epoch(0)
+    for _batch in batches(0):
+        pass
+    ds.close()
+
+
+@dataclasses.dataclass
+class Context:
+    """What every system run shares: the emulator (or none), Redis, the raylets."""
+
+    emulator: Any
+    redis_url: str
+    raylet_pids: list[int]
+
+
+def run_system(system: str, cfg: dict[str, Any], ctx: Context) -> list[dict[str, Any]]:
+    from memory import CacheSideMeter, machine_busy_s, redis_used_memory, rss_anon
+
+    from shardcache_server.cluster import kill_stores
+
+    emulator = ctx.emulator if cfg["source"] == "s3" else None
+    cfg = {
+        **cfg,
+        "port": _free_port(),
+        "prepare_s": 0.0,
+        "prepare_gets": 0,
+        "prepare_cpu_s": 0.0,
+    }
+    is_shardcache = system.startswith("shardcache")
+    if is_shardcache:
+        _start_stores(cfg)
+    meter = CacheSideMeter(ctx.raylet_pids)
+    meter.start()
+    redis0, driver0 = redis_used_memory(ctx.redis_url), rss_anon(os.getpid())
+    if emulator is not None:
+        emulator.reset_counts()
     if system in CONVERSIONS:  # a conversion step before training, timed apart
-        started = time.perf_counter()
+        started, busy0 = time.perf_counter(), machine_busy_s()
         CONVERSIONS[system](cfg)
         cfg["prepare_s"] = time.perf_counter() - started
-        cfg["prepare_gets"] = emulator.total_gets
-    if system == "mosaic":
-        rows = _run_mosaic_ranks(cfg)
-    elif system in RAY_SYSTEMS:
-        rows = _run_ray_ranks(system, cfg)
-    else:
-        rows = _run_processes(system, cfg)
-    gets, storage_cpu_s = emulator.total_gets, emulator.cpu_s
+        cfg["prepare_cpu_s"] = machine_busy_s() - busy0
+        cfg["prepare_gets"] = emulator.total_gets if emulator else 0
+    try:
+        if system == "mosaic":
+            rows = _run_mosaic_ranks(cfg)
+        elif system in RAY_SYSTEMS:
+            rows = _run_ray_ranks(system, cfg)
+        else:
+            rows = _run_processes(system, cfg)
+        job = _cache_side(system, rows, meter, driver0)
+        job["redis_growth_bytes"] = redis_used_memory(ctx.redis_url) - redis0
+    finally:
+        if is_shardcache:
+            # Each run's stores hold its values in the object store.
+            kill_stores(cfg["namespace"])
+    gets = emulator.total_gets if emulator else None
     for r in rows:
-        r["storage_cpu_s"] = storage_cpu_s
+        r.update(job)
+        r["storage_cpu_s"] = emulator.cpu_s if emulator else None
         # Every GET of the job, conversion included; prepare_* is reported apart.
-        r["gets_per_object"] = gets / len(cfg["urls"])
+        r["gets_per_object"] = gets / len(cfg["urls"]) if gets is not None else None
         r["prepare_s"], r["prepare_gets"] = cfg["prepare_s"], cfg["prepare_gets"]
+        r["dataset_samples"] = len(cfg["urls"])
         if r["epoch"] == 0:
             # A system that converts or materialises first pays for it in epoch 1.
             r["seconds"] += cfg["prepare_s"]
             r["first_batch_s"] += cfg["prepare_s"]
             r["samples_per_s"] = r["samples"] / r["seconds"]
+            if r["machine_cpu_s"] is not None:
+                r["machine_cpu_s"] += cfg["prepare_cpu_s"]
     return rows
 
 
-def _scenario_env(system: str, dataset: str, values_bytes: int) -> dict[str, Any]:
+def _cache_side(
+    system: str, rows: list[dict[str, Any]], meter: Any, driver0: int
+) -> dict[str, Any]:
+    """Anonymous memory the cache side grew by over the run, payload excluded."""
+    from memory import rss_anon
+
+    if system in RAY_SYSTEMS:
+        grown = meter.stop()
+        if system == "ray_data":  # the driver holds the materialised dataset's blocks
+            grown["anon_growth_bytes"] += rss_anon(os.getpid()) - driver0
+            grown["processes"].append("driver")
+        return {
+            "cache_side_bytes": grown["anon_growth_bytes"],
+            "cache_processes": grown["processes"],
+        }
+    last = max(r["epoch"] for r in rows)
+    managers = [
+        r for r in rows if r["epoch"] == last and "cache_anon_growth_bytes" in r
+    ]
+    if managers:  # each rank's Manager process, minus the values it holds
+        return {
+            "cache_side_bytes": sum(
+                r["cache_anon_growth_bytes"] - r["cache_payload_bytes"]
+                for r in managers
+            ),
+            "cache_processes": ["multiprocessing.Manager"] * len(managers),
+        }
+    # Disk caches (simplecache, LitData, Mosaic) or none (plain): no process.
+    return {"cache_side_bytes": None, "cache_processes": []}
+
+
+def _scenario_env(system: str, values_bytes: int, nodes: int) -> dict[str, Any]:
     """Store settings of a scenario: a per-node budget of half its share of values."""
     if system in ("shardcache_lru50", "shardcache_static50"):
         return {
-            "cache_bytes": values_bytes // (2 * NODES),
+            "cache_bytes": values_bytes // (2 * nodes),
             "eviction": "static" if "static" in system else "lru",
             # The rank pins nothing, so the store's budget is all there is.
             "hold_bytes": 0,
@@ -310,20 +422,74 @@ def _scenario_env(system: str, dataset: str, values_bytes: int) -> dict[str, Any
     return {}
 
 
-def main() -> None:
+def start_cluster(nodes: int, cpus_per_node: int, object_store_bytes: int) -> Any:
+    """``nodes`` Ray nodes on 127.0.0.1; node ``i`` carries the resource ``node{i}``."""
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    node_args = {
+        "num_cpus": cpus_per_node,
+        "object_store_memory": object_store_bytes,
+        "node_ip_address": "127.0.0.1",
+    }
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            **node_args,
+            "include_dashboard": False,
+            "resources": {"node0": 1},
+        },
+    )
+    for n in range(1, nodes):
+        cluster.add_node(**node_args, resources={f"node{n}": 1})
+    cluster.wait_for_nodes()
+    return cluster
+
+
+def _raylet_pids(cluster: Any) -> list[int]:
+    pids = []
+    for node in cluster.list_all_nodes():
+        for info in node.all_processes.get("raylet", []):
+            pids.append(int(info.process.pid))
+    return pids
+
+
+def _write_local(root: Path, args: argparse.Namespace) -> None:
+    """The same datasets as files on local disk, read once so the page cache is warm."""
+    import fsspec
+
+    from shardcache_server.datagen import upload_blobs, upload_images
+
+    fs = fsspec.filesystem("file", auto_mkdir=True)
+    for d in DATASETS:
+        (root / d).mkdir(parents=True, exist_ok=True)
+    upload_images(fs, str(root / "images"), args.images, size=args.image_px, fmt="JPEG")
+    upload_blobs(fs, str(root / "blobs"), args.blobs, 4096)
+    for path in root.rglob("*"):
+        if path.is_file():
+            path.read_bytes()
+
+
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--quick", action="store_true", help="small smoke run")
-    ap.add_argument("--images", type=int, default=1500)
-    ap.add_argument("--blobs", type=int, default=4000)
-    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument(
+        "--quick", action="store_true", help="small smoke run, fewer systems"
+    )
+    ap.add_argument("--images", type=int, default=4000)
+    ap.add_argument("--blobs", type=int, default=20000)
+    ap.add_argument("--epochs", type=int, default=3, help="1 cold + the rest warm")
     ap.add_argument("--image-px", type=int, default=470, help="JPEG side in pixels")
-    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
+    ap.add_argument("--batch-images", type=int, default=16)
+    ap.add_argument("--batch-blobs", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=1, help="interleaved repetitions")
+    ap.add_argument("--sources", default="s3,local", help="comma list of: s3, local")
     ap.add_argument(
         "--profile",
         default="s3-standard",
         choices=["none", "s3-standard", "slow", "express"],
+        help="latency model of the s3 source",
     )
     ap.add_argument(
         "--bandwidth-mb-s",
@@ -331,100 +497,171 @@ def main() -> None:
         default=0.0,
         help="cap each GET's body rate, MB/s per connection (0: no cap)",
     )
-    ap.add_argument("--systems", default=",".join(SYSTEMS + SCENARIOS))
+    ap.add_argument("--nodes", type=int, default=2, help="Ray nodes on this machine")
+    ap.add_argument("--ranks-per-node", type=int, default=2)
+    ap.add_argument(
+        "--lean-ranks-per-node",
+        type=int,
+        default=1,
+        help="a second layout for the latency-consistency figures, with no more "
+        "ranks than cores (0: none)",
+    )
+    ap.add_argument(
+        "--lean-systems",
+        default="shardcache",
+        help="systems also run in the lean layout (comma list)",
+    )
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="DataLoader workers per rank of the DataLoader-based systems",
+    )
+    ap.add_argument(
+        "--epoch-cap-s",
+        type=float,
+        default=240.0,
+        help="stop an epoch of plain/manager_dict/simplecache after this many "
+        "seconds, all ranks together (0: whole epochs); capped epochs are flagged",
+    )
+    ap.add_argument(
+        "--shardcache-path",
+        default="auto",
+        choices=["auto", "loader", "dataloader"],
+        help="shardcache's batching: ds.loader() (auto: when the SDK has it) or "
+        "DataLoader(ds, sampler=ds.sampler) with the default collate",
+    )
+    ap.add_argument("--object-store-mb", type=int, default=1024, help="per Ray node")
+    ap.add_argument("--systems", default=None, help="comma list (default: all)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="directory for the JSON, PNG and BENCHMARKS.md (default: bench/results/ "
+        "and the repository's BENCHMARKS.md; --quick: a new temp directory)",
+    )
     args = ap.parse_args()
     if args.quick:
-        args.images, args.blobs, args.reps = 200, 600, 1
+        args.images, args.blobs, args.reps = 160, 1024, 1
+        args.systems = args.systems or ",".join(QUICK_SYSTEMS)
+        args.out = args.out or tempfile.mkdtemp(prefix="shardcache-bench-quick-")
+    args.systems = args.systems or ",".join(SYSTEMS + SCENARIOS)
+    return args
+
+
+def _layouts(
+    args: argparse.Namespace, systems: list[str]
+) -> list[tuple[int, list[str]]]:
+    layouts = [(args.ranks_per_node, systems)]
+    if args.lean_ranks_per_node and args.lean_ranks_per_node != args.ranks_per_node:
+        lean = [s for s in args.lean_systems.split(",") if s in systems]
+        if lean:
+            layouts.append((args.lean_ranks_per_node, lean))
+    return layouts
+
+
+def main() -> None:
+    args = _parse_args()
 
     import ray
-    import s3fs
 
-    from shardcache.embedded import start_loopback_cluster, start_redis_server
+    from shardcache.embedded import start_redis_server
     from shardcache_server.datagen import upload_blobs, upload_images
     from shardcache_server.emulator import LATENCY_PROFILES, S3Emulator
 
-    from ranks import IMAGE_PX
+    from ranks import VALUE_BYTES
 
     systems = args.systems.split(",")
+    sources = args.sources.split(",")
+    batch = {"images": args.batch_images, "blobs": args.batch_blobs}
+    counts = {"images": args.images, "blobs": args.blobs}
+    world = args.nodes * args.ranks_per_node
+    for d in DATASETS:
+        warm = (args.epochs - 1) * (counts[d] // world // batch[d])
+        if warm < MIN_WARM_BATCHES:
+            print(f"note: {d}: {warm} warm batches per rank (< {MIN_WARM_BATCHES})")
     tmp = tempfile.mkdtemp(prefix="shardcache-bench-")
     redis_proc, redis_url = start_redis_server(Path(tmp), password="bench")
-    emulator = S3Emulator().start()
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, **emulator.storage_options())
-    fs.mkdir("bench")
-    print(f"generating {args.images} JPEGs and {args.blobs} 4 KB blobs ...", flush=True)
-    upload_images(fs, "bench/images", args.images, size=args.image_px, fmt="JPEG")
-    upload_blobs(fs, "bench/blobs", args.blobs, 4096)
-    counts = {"images": args.images, "blobs": args.blobs}
-    sizes = {"images": fs.du("bench/images") / args.images, "blobs": 4096}
-    value_bytes = {"images": IMAGE_PX * IMAGE_PX * 3, "blobs": 4096}  # preprocessed
-    calibration = calibrate_storage(emulator, fs, f"s3://{fs.find('bench/images')[0]}")
-    print(f"storage calibration: {calibration}", flush=True)
-    emulator.set_faults(
-        dataclasses.replace(
-            LATENCY_PROFILES[args.profile],
-            bandwidth_bytes_per_s=args.bandwidth_mb_s * 1e6,
+    emulator, fs, calibration = None, None, None
+    sizes: dict[str, float] = {}
+    if "s3" in sources:
+        import s3fs
+
+        emulator = S3Emulator().start()
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **emulator.storage_options())
+        fs.mkdir("bench")
+        print(f"s3: {args.images} JPEGs and {args.blobs} 4 KB blobs ...", flush=True)
+        upload_images(fs, "bench/images", args.images, size=args.image_px, fmt="JPEG")
+        upload_blobs(fs, "bench/blobs", args.blobs, 4096)
+        sizes = {"images": fs.du("bench/images") / args.images, "blobs": 4096}
+        calibration = calibrate_storage(
+            emulator, fs, f"s3://{fs.find('bench/images')[0]}"
         )
-    )
-    # 2 Ray nodes on this machine, 2 ranks each (ray.cluster_utils.Cluster).
-    cluster = start_loopback_cluster(NODES, 512 * 2**20)
+        print(f"storage calibration: {calibration}", flush=True)
+        emulator.set_faults(
+            dataclasses.replace(
+                LATENCY_PROFILES[args.profile],
+                bandwidth_bytes_per_s=args.bandwidth_mb_s * 1e6,
+            )
+        )
+    local_root = Path(tmp) / "local"
+    if "local" in sources:
+        print(f"local: the same datasets under {local_root} ...", flush=True)
+        _write_local(local_root, args)
+        images = list((local_root / "images").iterdir())
+        sizes = {
+            "images": sum(p.stat().st_size for p in images) / len(images),
+            "blobs": 4096,
+        }
+    memcpy_runs = {d: [memcpy_gbps(batch[d] * VALUE_BYTES[d])] for d in DATASETS}
+    cpus_per_node = max(2, (os.cpu_count() or 2) // args.nodes)
+    cluster = start_cluster(args.nodes, cpus_per_node, args.object_store_mb * 2**20)
     ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
+    ctx = Context(emulator, redis_url, _raylet_pids(cluster))
     results: list[dict[str, Any]] = []
     try:
         for rep in range(args.reps):
-            for dataset in ("images", "blobs"):
-                prefix = f"s3://bench/{dataset}/"
-                urls = sorted(f"s3://{p}" for p in fs.find(prefix))
-                for system in systems:  # interleaved: every system once per repetition
-                    if system == "shardcache_changed1" and dataset != "blobs":
-                        continue  # rewriting a JPEG's bytes would not decode
-                    cfg = {
-                        "dataset": dataset,
-                        "prefix": prefix,
-                        "urls": urls,
-                        "storage_options": emulator.storage_options(),
-                        "endpoint": emulator.endpoint_url,
-                        "redis_url": redis_url,
-                        # A fresh cache per run: every run starts cold.
-                        "namespace": f"bench{rep}{dataset[0]}{system.replace('_', '')}",
-                        "store_env": _scenario_env(
-                            system, dataset, value_bytes[dataset] * counts[dataset]
-                        ),
-                        "epochs": args.epochs,
-                        "world": NODES * RANKS_PER_NODE,
-                        "ranks_per_node": RANKS_PER_NODE,
-                        "batch_size": 32 if dataset == "images" else 128,
-                        "workers": 2,
-                        "step_ms": 2.0,
-                        "tmp": tmp,
-                    }
-                    if system == "shardcache_changed1":
-                        step = max(1, len(urls) // max(1, len(urls) // 100))
-                        cfg["change_urls"] = urls[::step][: max(1, len(urls) // 100)]
-                        cfg["change_before_epoch"] = args.epochs - 1
-                    print(
-                        f"rep {rep} {dataset:6s} {system:20s} ...", end=" ", flush=True
-                    )
-                    t = time.perf_counter()
-                    try:
-                        rows = run_system(system, cfg, emulator)
-                    except Exception as exc:  # one system failing must not sink the run
-                        print(f"FAILED: {type(exc).__name__}: {exc}", flush=True)
-                        results.append(
-                            {"rep": rep, "dataset": dataset, "system": system,
-                             "error": f"{type(exc).__name__}: {exc}"[:500]}
-                        )  # fmt: skip
-                        continue
-                    for r in rows:
-                        r.update({"rep": rep, "dataset": dataset})
-                    results += rows
-                    print(f"{time.perf_counter() - t:.0f}s", flush=True)
+            for source in sources:
+                for dataset in DATASETS:
+                    for rpn, layout_systems in _layouts(args, systems):
+                        for system in layout_systems:
+                            cfg = _config(
+                                args, rep, source, dataset, system, rpn, tmp,
+                                redis_url, emulator, fs, local_root,
+                            )  # fmt: skip
+                            if cfg is None:
+                                continue
+                            label = f"{cfg['layout']} {source} {dataset} {system}"
+                            print(f"rep {rep} {label:40s} ...", end=" ", flush=True)
+                            t = time.perf_counter()
+                            try:
+                                rows = run_system(system, cfg, ctx)
+                            except (
+                                Exception
+                            ) as exc:  # one system failing must not sink the run
+                                print(
+                                    f"FAILED: {type(exc).__name__}: {exc}", flush=True
+                                )
+                                results.append(
+                                    {"rep": rep, "source": source, "dataset": dataset,
+                                     "layout": cfg["layout"], "system": system,
+                                     "error": f"{type(exc).__name__}: {exc}"[:500]}
+                                )  # fmt: skip
+                                continue
+                            for r in rows:
+                                r.update(
+                                    {"rep": rep, "source": source, "dataset": dataset,
+                                     "layout": cfg["layout"]}
+                                )  # fmt: skip
+                            results += rows
+                            print(f"{time.perf_counter() - t:.0f}s", flush=True)
     finally:
         ray.shutdown()
         cluster.shutdown()
-        emulator.stop()
+        if emulator is not None:
+            emulator.stop()
         redis_proc.terminate()
-    # memcpy of the bytes each system delivers (the preprocessed tensors).
-    memcpy = {d: memcpy_gbps(value_bytes[d], 1000) for d in value_bytes}
+    for d in DATASETS:  # the reference again at the end: the best of both
+        memcpy_runs[d].append(memcpy_gbps(batch[d] * VALUE_BYTES[d]))
     report = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["scripts/bench.sh", *sys.argv[1:]]),
@@ -433,23 +670,100 @@ def main() -> None:
             "platform": platform.platform(),
             "python": platform.python_version(),
         },
+        "sources": sources,
         "profile": args.profile,
         "bandwidth_mb_s": args.bandwidth_mb_s,
         "storage_calibration": calibration,
         "object_bytes": sizes,
-        "memcpy_gbps": memcpy,
-        "layout": f"{NODES} Ray nodes x {RANKS_PER_NODE} ranks (gloo)",
+        "value_bytes": VALUE_BYTES,
+        "batch_size": batch,
+        "workers": args.workers,
+        "epoch_cap_s": args.epoch_cap_s,
+        "memcpy_gbps": {d: max(v) for d, v in memcpy_runs.items()},
+        "memcpy_runs_gbps": memcpy_runs,
+        "nodes": args.nodes,
+        "cpus_per_ray_node": cpus_per_node,
+        "layout": f"{args.nodes} Ray nodes x {args.ranks_per_node} ranks (gloo)",
         "rows": results,
     }
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
-    path = HERE / "results" / f"{stamp}.json"
-    path.write_text(json.dumps(report, indent=1))
+    _write(report, args)
+
+
+def _config(
+    args: argparse.Namespace,
+    rep: int,
+    source: str,
+    dataset: str,
+    system: str,
+    rpn: int,
+    tmp: str,
+    redis_url: str,
+    emulator: Any,
+    fs: Any,
+    local_root: Path,
+) -> dict[str, Any] | None:
+    """One system run's settings, or None when it does not apply to this source."""
+    from ranks import VALUE_BYTES
+
+    if source == "local" and (system in REMOTE_ONLY or system in SCENARIOS):
+        return None  # caching local files locally; scenarios count GETs (s3 only)
+    if system == "shardcache_changed1" and dataset != "blobs":
+        return None  # rewriting a JPEG's bytes would not decode
+    if source == "s3":
+        prefix = f"s3://bench/{dataset}/"
+        urls = sorted(f"s3://{p}" for p in fs.find(prefix))
+        storage_options, endpoint = emulator.storage_options(), emulator.endpoint_url
+    else:
+        prefix = f"{local_root / dataset}/"
+        urls = sorted(str(p) for p in (local_root / dataset).iterdir())
+        storage_options, endpoint = {}, None
+    layout = f"{args.nodes}x{rpn}"
+    cfg: dict[str, Any] = {
+        "source": source,
+        "dataset": dataset,
+        "prefix": prefix,
+        "urls": urls,
+        "storage_options": storage_options,
+        "endpoint": endpoint,
+        "redis_url": redis_url,
+        # A fresh cache per run: every run starts cold.
+        "namespace": f"b{rep}{source[0]}{dataset[0]}{layout.replace('x', '')}"
+        f"{system.replace('_', '')}",
+        "store_env": _scenario_env(
+            system, VALUE_BYTES[dataset] * len(urls), args.nodes
+        ),
+        "epochs": args.epochs,
+        "world": args.nodes * rpn,
+        "ranks_per_node": rpn,
+        "layout": layout,
+        "batch_size": args.batch_images if dataset == "images" else args.batch_blobs,
+        "value_bytes": VALUE_BYTES[dataset],
+        "workers": args.workers,
+        "epoch_cap_s": args.epoch_cap_s,
+        "shardcache_path": args.shardcache_path,
+        "step_ms": 2.0,
+        "tmp": tmp,
+    }
+    if system == "shardcache_changed1":
+        count = max(1, len(urls) // 100)
+        cfg["change_urls"] = urls[:: max(1, len(urls) // count)][:count]
+        cfg["change_before_epoch"] = args.epochs - 1
+    return cfg
+
+
+def _write(report: dict[str, Any], args: argparse.Namespace) -> None:
     from report import write_report
 
-    write_report(
-        report, HERE.parent / "BENCHMARKS.md", HERE / "results" / f"{stamp}.png"
-    )
-    print(f"wrote {path} and BENCHMARKS.md")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H%M")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path, md = out / f"{stamp}.json", out / "BENCHMARKS.md"
+    else:
+        path, md = HERE / "results" / f"{stamp}.json", HERE.parent / "BENCHMARKS.md"
+    path.write_text(json.dumps(report, indent=1))
+    write_report(report, md, path.with_suffix(".png"))
+    print(f"wrote {path}, {path.with_suffix('.png')} and {md}")
 
 
 if __name__ == "__main__":

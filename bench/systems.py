@@ -1,7 +1,9 @@
 """The loaders compared by bench/run.py, each as a map-style Dataset factory.
 
-Every system reads the same objects from the same emulated S3 and runs the
-same preprocess; only where the bytes come from differs.
+Every system reads the same objects from the same source (the emulated S3,
+or the same files on local disk) and runs the same preprocess; only where
+the bytes come from differs. Batches are collated by each system's own
+recommended path (DataLoader's default collate here).
 """
 
 from __future__ import annotations
@@ -15,6 +17,21 @@ import torch
 from torch.utils.data import Dataset
 
 Preprocess = Callable[[bytes], np.ndarray]
+
+
+class FileDataset(Dataset[Any]):
+    """What most people write for local files (or a page-cached shared file
+    system): ``open().read()`` in ``__getitem__``, ``DataLoader(num_workers=k)``."""
+
+    def __init__(self, paths: list[str], preprocess: Preprocess):
+        self.paths, self.preprocess = paths, preprocess
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        with open(self.paths[i], "rb") as f:
+            return torch.from_numpy(self.preprocess(f.read()))
 
 
 class PlainS3Dataset(Dataset[Any]):
@@ -51,7 +68,7 @@ class PlainS3Dataset(Dataset[Any]):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         data = self._filesystem().cat_file(self.prefix + self.urls[i])
-        return torch.from_numpy(self.preprocess(data).copy())
+        return torch.from_numpy(self.preprocess(data))
 
 
 class SimpleCacheDataset(PlainS3Dataset):
@@ -91,17 +108,18 @@ class ManagerDictDataset(PlainS3Dataset):
 
 
 def _litdata_item(cfg: dict[str, Any], i: int) -> dict[str, np.ndarray]:
-    import s3fs
+    import fsspec
 
     from ranks import PREPROCESS
 
-    fs = s3fs.S3FileSystem(**cfg["storage_options"])
+    fs, _ = fsspec.url_to_fs(cfg["urls"][i], **cfg["storage_options"])
     return {"x": PREPROCESS[cfg["dataset"]](fs.cat_file(cfg["urls"][i]))}
 
 
 def litdata_convert(cfg: dict[str, Any], fs: Any) -> str:
     """LitData's ``optimize()``: read + preprocess every object once into chunks,
-    then upload them next to the source; returns the chunks' S3 prefix."""
+    then upload them next to the source (S3), or leave them on local disk
+    (``--source local``); returns where the chunks are."""
     import functools
 
     from litdata import optimize
@@ -118,6 +136,8 @@ def litdata_convert(cfg: dict[str, Any], fs: Any) -> str:
         verbose=False,
         start_method="fork",
     )
+    if fs is None:  # local source: the chunks stay where optimize() wrote them
+        return local
     remote = f"bench/litdata-{cfg['namespace']}"
     fs.put(local + "/", remote + "/", recursive=True)
     return f"s3://{remote}"
@@ -130,6 +150,14 @@ def litdata_loader(cfg: dict[str, Any], node: int, rank: int) -> Any:
     _litdata_allow_http()
 
     opts = cfg["storage_options"]
+    if cfg["source"] == "local":
+        ds = StreamingDataset(cfg["litdata_prefix"], shuffle=True, seed=0)
+        return StreamingDataLoader(
+            ds,
+            batch_size=cfg["batch_size"],
+            num_workers=cfg["workers"],
+            persistent_workers=cfg["workers"] > 0,
+        )
     ds = StreamingDataset(
         cfg["litdata_prefix"],
         cache_dir=f"{cfg['tmp']}/litdata-cache-{cfg['namespace']}-rank{rank}",
@@ -148,7 +176,6 @@ def litdata_loader(cfg: dict[str, Any], node: int, rank: int) -> Any:
         ds,
         batch_size=cfg["batch_size"],
         num_workers=cfg["workers"],
-        collate_fn=_litdata_collate,
         worker_init_fn=_litdata_allow_http,
         persistent_workers=cfg["workers"] > 0,
     )
@@ -163,7 +190,3 @@ def _litdata_allow_http(_worker_id: int = 0) -> None:
         **downloader._OBSTORE_CLIENT_OPTIONS,
         "allow_http": True,
     }
-
-
-def _litdata_collate(items: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
-    return [torch.from_numpy(i["x"]) for i in items]
