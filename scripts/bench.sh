@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The benchmark: shardcache beside plain PyTorch/s3fs, a Manager-dict cache,
-# fsspec simplecache, Ray Data and LitData, in one run. Writes bench/results/<date>.json (+ .png) and BENCHMARKS.md.
+# The benchmark: shardcache beside plain PyTorch (s3fs, or local files), a
+# Manager-dict cache, fsspec simplecache, Ray Data, LitData and Mosaic, in one
+# run, on an emulated S3 and on page-cached local files. Writes
+# bench/results/<date>T<time>.json (+ .png) and BENCHMARKS.md (--out DIR: there).
+# --quick writes to a temp dir; --systems picks systems (bench/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh

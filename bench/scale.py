@@ -1,0 +1,164 @@
+"""How shardcache's fixed costs grow with the number of samples: one rank, one node.
+
+    .venv/bin/python bench/scale.py --samples 20000 --sample-bytes 100
+
+Writes ``--samples`` files of ``--sample-bytes`` random bytes under a
+directory (``--dir``, reused when it already holds them), then measures:
+listing + publish (building the dataset: the source listing and its index
+entry), cold and warm samples/s of one rank, and anonymous memory per sample
+of the rank and of the store (RssAnon growth, payload excluded: values live
+in Ray's object store, which is shared memory) plus Redis ``used_memory``
+per sample. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import numpy as np  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
+)
+FILES_PER_DIR = 10_000  # a flat directory of millions of names is its own benchmark
+WRITE_THREADS = 8
+
+
+def write_samples(root: Path, samples: int, sample_bytes: int) -> float:
+    """``samples`` files of random bytes, ``FILES_PER_DIR`` per directory; seconds."""
+    started = time.perf_counter()
+    rng = np.random.default_rng(0)
+    payload = rng.integers(0, 256, sample_bytes * min(samples, 4096), dtype=np.uint8)
+    payload = payload.tobytes()
+
+    def write(i: int) -> None:
+        d = root / f"d{i // FILES_PER_DIR:05d}"
+        off = (i % 4096) * sample_bytes
+        (d / f"s{i:09d}.bin").write_bytes(payload[off : off + sample_bytes])
+
+    for d in range((samples + FILES_PER_DIR - 1) // FILES_PER_DIR):
+        (root / f"d{d:05d}").mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(WRITE_THREADS) as pool:
+        list(pool.map(write, range(samples), chunksize=1024))
+    return time.perf_counter() - started
+
+
+def raw(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype=np.uint8).copy()
+
+
+def _epoch(ds: Any, batches: Any, epoch: int) -> tuple[int, float]:
+    ds.set_epoch(epoch)
+    started, n = time.perf_counter(), 0
+    for batch in batches(epoch):
+        x = batch if not isinstance(batch, dict) else next(iter(batch.values()))
+        n += int(x.shape[0])
+    return n, time.perf_counter() - started
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--samples", type=int, default=20_000)
+    ap.add_argument("--sample-bytes", type=int, default=100)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument(
+        "--dir", default=None, help="where the files go (default: a temp dir)"
+    )
+    ap.add_argument("--object-store-mb", type=int, default=1024)
+    ap.add_argument(
+        "--shardcache-path", default="auto", choices=["auto", "loader", "dataloader"]
+    )
+    args = ap.parse_args()
+
+    import ray
+    from memory import redis_used_memory, rss_anon, store_pids
+
+    from shardcache import DistributedCachedDataset
+    from shardcache.embedded import start_redis_server
+
+    from ranks import shardcache_batches
+
+    root = Path(args.dir or tempfile.mkdtemp(prefix="shardcache-scale-"))
+    files = root / f"n{args.samples}-b{args.sample_bytes}"
+    marker = root / f"{files.name}.done"  # outside the dataset: it would be a sample
+    write_s = 0.0
+    if not marker.exists():
+        write_s = write_samples(files, args.samples, args.sample_bytes)
+        marker.write_text("")
+    redis_proc, redis_url = start_redis_server(Path(tempfile.mkdtemp()), password="s")
+    ray.init(
+        address="local",  # always a private cluster, never a running one
+        num_cpus=2,
+        object_store_memory=args.object_store_mb * 2**20,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="ERROR",
+    )
+    common = {"redis_url": redis_url, "namespace": "scale", "rank": 0, "world_size": 1}
+    try:
+        first = next(iter(sorted((files / "d00000").iterdir())))
+        # A one-object dataset starts the store first, so its baseline is taken
+        # with the process up and the imports done.
+        warm = DistributedCachedDataset([str(first)], raw, name="warmup", **common)
+        batches, _ = shardcache_batches(warm, 1, args.shardcache_path)
+        _epoch(warm, batches, 0)
+        warm.close()
+        me = os.getpid()
+        stores = store_pids([me])
+        rank0, store0 = rss_anon(me), sum(rss_anon(p) for p in stores)
+        redis0 = redis_used_memory(redis_url)
+        started = time.perf_counter()
+        ds = DistributedCachedDataset(
+            f"{files}/", raw, name=f"scale{args.samples}", shuffle=True, **common
+        )
+        publish_s = time.perf_counter() - started
+        batches, path = shardcache_batches(ds, args.batch_size, args.shardcache_path)
+        cold_n, cold_s = _epoch(ds, batches, 0)
+        warm_n, warm_s = _epoch(ds, batches, 1)
+        stores = store_pids([me])
+        out = {
+            "samples": args.samples,
+            "sample_bytes": args.sample_bytes,
+            "batch_size": args.batch_size,
+            "path": path,
+            "write_s": round(write_s, 3),
+            "list_publish_s": round(publish_s, 3),
+            "cold_samples_per_s": round(cold_n / cold_s, 1),
+            "warm_samples_per_s": round(warm_n / warm_s, 1),
+            "rank_anon_bytes_per_sample": round(
+                (rss_anon(me) - rank0) / args.samples, 1
+            ),
+            "store_anon_bytes_per_sample": (
+                round((sum(rss_anon(p) for p in stores) - store0) / args.samples, 1)
+                if stores
+                else None
+            ),
+            "store_processes": len(stores),
+            "redis_bytes_per_sample": round(
+                (redis_used_memory(redis_url) - redis0) / args.samples, 1
+            ),
+            "cpus": os.cpu_count(),
+        }
+        ds.close()
+    finally:
+        ray.shutdown()
+        redis_proc.terminate()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
