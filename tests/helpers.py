@@ -25,37 +25,95 @@ class Reader:
     def register(self, spec, preprocess):
         self.client.register(spec, preprocess)
 
-    def read(self, name, generation, items):
-        results = self.client.get_refs(name, generation, items)
+    def read(self, name, generation, items, digest=None):
+        results = self.client.get_refs(name, generation, items, digest)
         values = ray.get([ref for _, ref in results])
-        return [status for status, _ in results], [bytes(v) for v in values]
+        return [status for status, _ in results], [chunk_bytes(v) for v in values]
 
     def node(self):
         return ray.get_runtime_context().get_node_id()
 
 
+def chunk_bytes(columns) -> bytes:
+    """Every sample of a chunk, concatenated (tests store raw bytes)."""
+    from shardcache.chunks import Chunk
+
+    chunk = Chunk(columns)
+    return b"".join(bytes(chunk.sample(r)) for r in range(len(chunk)))
+
+
 def register_dataset(
-    s3, prefix: str, redis_url: str, namespace: str, preprocess=None, name="ds"
+    s3,
+    prefix: str,
+    redis_url: str,
+    namespace: str,
+    preprocess=None,
+    name="ds",
+    chunk_samples=1,
 ):
-    """List ``prefix`` and register it in the index; returns (index, spec, items)."""
+    """List ``prefix`` and register it in the index; returns (index, spec, items).
+
+    ``items`` are the chunk items a rank would send: ``(chunk key, version,
+    source bytes)``; with the default ``chunk_samples=1`` chunk ``i`` is
+    object ``i``, so per-object expectations read directly.
+    """
     from shardcache.decoders import raw_bytes
     from shardcache.fingerprint import fingerprint
     from shardcache.index import RedisIndex
-    from shardcache.source import list_source
+    from shardcache.manifest import chunk_key
+    from shardcache_server.listing import list_with_layout
 
     preprocess = preprocess or raw_bytes
-    manifest = list_source(prefix, s3.storage_options())
-    index = RedisIndex.from_url(redis_url, namespace)
-    total = sum(o.size for o in manifest.objects)
-    gen = index.register(name, prefix, fingerprint(preprocess), len(manifest), total)
     spec = {
         "name": name,
+        "urls": prefix,
         "protocol": "s3",
         "storage_options": s3.storage_options(),
+        "chunk_samples": chunk_samples,
         "fingerprint": fingerprint(preprocess),
-        "generation": gen,
     }
-    return index, spec, [(o.url, o.etag, o.size) for o in manifest.objects]
+    manifest = list_with_layout(spec, None)
+    index = RedisIndex.from_url(redis_url, namespace)
+    gen = index.register(
+        name, prefix, fingerprint(preprocess), len(manifest), manifest.total_bytes
+    )
+    spec.update(generation=gen, manifest=manifest.digest)
+    layout = manifest.layout
+    versions = manifest.chunk_versions(layout)
+    items = [
+        (
+            chunk_key(c),
+            f"{int(versions[c]):016x}",
+            int(manifest.sizes[slice(*layout.bounds(c))].sum()),
+        )
+        for c in range(len(layout))
+    ]
+    return index, spec, items
+
+
+def local_build(settings):
+    """A ``CacheShard(build=...)`` that builds chunks in a thread of this process."""
+    import asyncio
+
+    from shardcache_server.builder import build_members
+
+    async def build(req):
+        return await asyncio.to_thread(build_members, settings, req)
+
+    return build
+
+
+def view(result):
+    """A store result as a test reads it: ``(status, first sample)``, or the
+    ``("error", class, message)`` of a failed member / failed chunk."""
+    from shardcache.chunks import Chunk
+
+    if result[0] not in ("hit", "fetched", "uncached", "remote-hit"):
+        return result
+    chunk = Chunk(result[1])
+    if chunk.failed[0]:
+        return ("error", *chunk.error(0))
+    return (result[0], chunk.sample(0))
 
 
 @ray.remote(num_cpus=0)
@@ -85,6 +143,7 @@ class SoakRank:
                 namespace=cfg["namespace"],
                 name="soak",
                 seed=1,
+                chunk_samples=12,  # one whole chunk per rank: 96 objects, 8 ranks
             )
             loader = DataLoader(ds, batch_size=4, sampler=ds.sampler, collate_fn=list)
             bad, read, generations = 0, 0, []
@@ -110,3 +169,10 @@ class SoakRank:
             return {"bad": bad, "read": read, "generations": generations}
         finally:
             dist.destroy_process_group()
+
+
+def cached_samples(index, name, generation):
+    """Samples the index says are cached (entries are per chunk)."""
+    return sum(
+        int(e.get("samples", 0)) for e in index.entries(name, generation).values()
+    )

@@ -18,7 +18,9 @@ _ERRORS: dict[str, type[ShardCacheError]] = {
     name: getattr(errors, name) for name in errors.__all__
 }
 
-DatasetSpec = dict[str, Any]  # name, protocol, storage_options, fingerprint, generation
+# name, urls, protocol, storage_options, fingerprint, generation, manifest digest,
+# chunk_bytes, chunk_samples
+DatasetSpec = dict[str, Any]
 
 
 def _pickle_main_by_value(fn: Callable[..., Any]) -> None:
@@ -54,7 +56,7 @@ class CacheClient:
         self._index: RedisIndex | None = None
         self._redis_url: str | None = self.config.redis_url
         self._store: Any = None
-        self._registered: dict[str, tuple[DatasetSpec, Callable[[bytes], Any]]] = {}
+        self._registered: dict[str, tuple[DatasetSpec, tuple[Any, ...]]] = {}
 
     # -- connections -------------------------------------------------------------
     @property
@@ -97,17 +99,66 @@ class CacheClient:
         return handles[node]
 
     # -- datasets ---------------------------------------------------------------
-    def register(self, spec: DatasetSpec, preprocess: Callable[[bytes], Any]) -> None:
-        """Hand the dataset's fetch settings and preprocess to the stores."""
+    def manifest(self, spec: DatasetSpec, token: str = "") -> tuple[Any, str]:
+        """``(reference, digest)`` of the dataset's listing, listed once per cluster.
+
+        ``token`` asks for a new listing: every rank of a job refreshing
+        together passes the same one and one listing answers them all;
+        ``""`` (construction) takes the published listing.
+        """
+        import ray
+
+        self.attach()
+        ref, digest = self._call(
+            lambda: ray.get(
+                self._store.manifest.remote(spec, token),
+                timeout=self.config.request_timeout_s,
+            )
+        )
+        return ref, str(digest)
+
+    def manifest_of(self, name: str, digest: str) -> Any:
+        """The reference of listing ``digest`` (a DataLoader worker maps the
+        manifest its parent read).
+
+        Raises:
+            StaleVersionError: no store holds that listing any more.
+        """
+        import ray
+
+        self.attach()
+        refs = self._call(
+            lambda: ray.get(
+                self._store.manifest_of.remote(name, digest),
+                timeout=self.config.request_timeout_s,
+            )
+        )
+        if not refs:
+            raise errors.StaleVersionError(
+                f"the listing {digest} of dataset {name!r} is no longer held by the "
+                "stores (restarted). Build the dataset again or call refresh()."
+            )
+        return refs[0]
+
+    def register(
+        self,
+        spec: DatasetSpec,
+        preprocess: Callable[[bytes], Any],
+        target: Callable[[str], Any] | None = None,
+    ) -> None:
+        """Hand the dataset's fetch settings, preprocess and target to the stores."""
         import ray
 
         self.attach()
         _pickle_main_by_value(preprocess)
-        self._registered[spec["name"]] = (spec, preprocess)
+        if target is not None:
+            _pickle_main_by_value(target)
+        fns = (preprocess, target)
+        self._registered[spec["name"]] = (spec, fns)
         try:
             self._call(
                 lambda: ray.get(
-                    self._store.register.remote(spec, preprocess),
+                    self._store.register.remote(spec, *fns),
                     timeout=self.config.request_timeout_s,
                 )
             )
@@ -121,9 +172,16 @@ class CacheClient:
             ) from None
 
     def get_refs(
-        self, name: str, generation: int, items: Sequence[tuple[str, str, int]]
+        self,
+        name: str,
+        generation: int,
+        items: Sequence[tuple[str, str, int]],
+        digest: str | None = None,
     ) -> list[tuple[str, Any]]:
-        """One store call for a batch: ``(status, ObjectRef)`` per item.
+        """One store call for many chunks: ``(status, ObjectRef)`` per item.
+
+        ``items`` are ``(chunk key, chunk version, source bytes)``; ``digest``
+        names the listing their versions come from.
 
         Raises:
             StaleVersionError: ``generation`` was invalidated meanwhile.
@@ -136,16 +194,18 @@ class CacheClient:
         for _attempt in range(STORE_RETRIES + 1):
             results = self._call(
                 lambda: ray.get(
-                    self._store.get.remote(name, generation, list(items)),
+                    self._store.get.remote(
+                        name, generation, list(items), digest=digest
+                    ),
                     timeout=self.config.request_timeout_s,
                 )
             )
             if results and results[0][0] == "unregistered":
-                spec, fn = self._registered[name]
+                spec, fns = self._registered[name]
                 spec = {**spec, "generation": generation}
                 self._call(
-                    lambda spec=spec, fn=fn: ray.get(
-                        self._store.register.remote(spec, fn)
+                    lambda spec=spec, fns=fns: ray.get(
+                        self._store.register.remote(spec, *fns)
                     )
                 )
                 continue
@@ -173,8 +233,14 @@ class CacheClient:
                 last = exc
                 time.sleep(min(2.0, 0.2 * 2**attempt))
                 self._store = self._start_stores()
-                for spec, fn_pre in self._registered.values():
-                    ray.get(self._store.register.remote(spec, fn_pre))
+                for spec, fns in self._registered.values():
+                    ray.get(self._store.register.remote(spec, *fns))
+            except ray.exceptions.RayTaskError as exc:
+                # The store raised one of our errors (a listing that found
+                # nothing, a bad URL): surface it as itself, not as a Ray error.
+                if isinstance(exc.cause, ShardCacheError):
+                    raise exc.cause from None
+                raise
             except ray.exceptions.GetTimeoutError as exc:
                 raise ShardUnavailable(
                     f"the cache store did not answer within {self.config.request_timeout_s:.0f}s. "

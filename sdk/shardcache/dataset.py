@@ -5,21 +5,20 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
 from shardcache.client import CacheClient
 from shardcache.config import ClientConfig
 from shardcache.decoders import raw_bytes
 from shardcache.errors import (
-    BackendError,
     ConfigError,
     IndexUnavailable,
     StaleVersionError,
@@ -27,8 +26,12 @@ from shardcache.errors import (
 )
 from shardcache.fingerprint import fingerprint
 from shardcache.keys import validate_name
+from shardcache.loader import BatchLoader
+from shardcache.manifest import Manifest
+from shardcache.reader import ChunkReader
 from shardcache.sampler import ShardSampler
-from shardcache.source import Manifest, list_source
+from shardcache.source import open_remote
+from shardcache.usage import FLUSH_INTERVAL_S, ORIGINS, UsageReader, UsageReporter
 from shardcache.waits import WaitRecorder
 from shardcache.world import World
 
@@ -56,16 +59,15 @@ def default_name(urls: str | Sequence[str]) -> str:
     return f"{words}-{hashlib.sha256(first.encode()).hexdigest()[:8]}"
 
 
-def _nbytes(value: Any) -> int:
-    if isinstance(value, dict):
-        return sum(int(v.nbytes) for v in value.values())
-    return int(value.nbytes)
-
-
-def _to_tensor(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: torch.from_numpy(v) for k, v in value.items()}
-    return torch.from_numpy(value)
+def _protocol(urls: str | Sequence[str], storage_options: dict[str, Any]) -> str:
+    """The scheme of the source, validated (no listing)."""
+    first = urls if isinstance(urls, str) else (list(urls) or [""])[0]
+    if not isinstance(urls, str) and not list(urls):
+        raise ConfigError(
+            "urls is an empty list; pass a prefix, a glob or object URLs."
+        )
+    open_remote(first, storage_options)
+    return first.split("://", 1)[0] if "://" in first else "file"
 
 
 class DistributedCachedDataset(Dataset[Any]):
@@ -76,11 +78,22 @@ class DistributedCachedDataset(Dataset[Any]):
         preprocess: deterministic ``bytes -> array | tensor | dict`` run once per
             object on the cluster. Its fingerprint versions the cache.
             Defaults to the raw bytes as uint8.
-        transform: per-sample augmentation on the rank, after the cache.
+        transform: per-sample augmentation on the rank, after the cache (a
+            Python call per sample: prefer batch-wise augmentation on the
+            collated tensor for small samples).
         storage_options: passed to fsspec (e.g. an S3 endpoint).
         name: dataset namespace in the index. Defaults to one derived from ``urls``.
-        target: ``url -> label``; when set, samples are ``(x, target(url))`` pairs
-            (labels often live in the object's path, as with ImageFolder).
+        target: ``url -> label`` (a number); when set, samples are ``(x, label)``
+            pairs. Labels are computed once per object on the cluster and
+            cached beside the samples (labels often live in the path, as
+            with ImageFolder).
+
+    How it is cached:
+        chunk_bytes, chunk_samples: a chunk (the unit of caching, one Ray
+            object, one index entry) is a run of consecutive objects of at
+            most ``chunk_samples`` objects and about ``chunk_bytes`` source
+            bytes. The first job that lists a dataset fixes its chunks.
+            Default to 4 MiB and 4096.
 
     Where the cache is:
         redis_url, ray_address: ``None`` uses the embedded local defaults.
@@ -88,21 +101,22 @@ class DistributedCachedDataset(Dataset[Any]):
 
     How ranks split it:
         rank, world_size: default from torch.distributed, else RANK/WORLD_SIZE, else 0/1.
-        shuffle: ``True`` (stable shard, reshuffled inside each epoch),
-            ``"global"`` (DistributedSampler's global permutation) or ``False``.
+        shuffle: ``True`` (a stable shard of whole chunks, reshuffled inside
+            each epoch), ``"global"`` (DistributedSampler's global
+            permutation) or ``False``.
         seed, drop_last: as for DistributedSampler.
-        prefetch_batches: batches whose references are resolved ahead.
+        prefetch_batches: batches whose chunks are resolved ahead.
         consistency: ``"epoch"`` (the default) reads the generation once at
             ``set_epoch``, so an invalidation from elsewhere mid-epoch takes
             effect at the next epoch and the rank finishes on the bytes it
-            started with (the stores keep the old values for
-            ``retire_grace_s``). ``"batch"`` re-reads it before every batch,
-            so the next batch after an invalidation already sees the new data.
+            started with (the stores keep the old chunks for
+            ``retire_grace_s``). ``"batch"`` re-reads it before every batch.
             Either way a batch is never a mix of generations, and this
             dataset's own ``invalidate()`` applies from the next batch.
 
-    Samples are torch tensors viewing the Ray object store without a copy.
-    They are read-only: a transform that writes in place must ``.clone()`` first.
+    Samples from ``ds[i]`` are torch tensors viewing the Ray object store
+    without a copy; they are read-only. ``ds.loader(batch_size)`` yields
+    collated batches gathered straight into one tensor per field.
 
     Raises:
         ConfigError: bad arguments (rank out of range, world_size < 1, bad URL).
@@ -131,24 +145,29 @@ class DistributedCachedDataset(Dataset[Any]):
         job: str | None = None,
         target: Callable[[str], Any] | None = None,
         consistency: str = "epoch",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_samples: int = DEFAULT_CHUNK_SAMPLES,
     ):
-        if preprocess is not None and not callable(preprocess):
-            raise ConfigError(
-                f"preprocess must be callable or None, got {type(preprocess).__name__}."
-            )
-        if target is not None and not callable(target):
-            raise ConfigError(
-                f"target must be callable or None, got {type(target).__name__}."
-            )
-        if transform is not None and not callable(transform):
-            raise ConfigError(
-                f"transform must be callable or None, got {type(transform).__name__}."
-            )
+        for label, fn in (
+            ("preprocess", preprocess),
+            ("target", target),
+            ("transform", transform),
+        ):
+            if fn is not None and not callable(fn):
+                raise ConfigError(
+                    f"{label} must be callable or None, got {type(fn).__name__}."
+                )
         if consistency not in CONSISTENCY_MODES:
             raise ConfigError(
                 f"consistency must be one of {', '.join(map(repr, CONSISTENCY_MODES))}, "
                 f"got {consistency!r}."
             )
+        for label, value in (
+            ("chunk_bytes", chunk_bytes),
+            ("chunk_samples", chunk_samples),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{label} must be an integer >= 1, got {value!r}.")
         self.consistency = consistency
         overrides = {
             k: v
@@ -180,46 +199,62 @@ class DistributedCachedDataset(Dataset[Any]):
             or os.environ.get("SHARDCACHE_JOB")
             or "job"
         )
-        self.manifest: Manifest = list_source(urls, self.storage_options)
+        self._spec = {
+            "name": self.name,
+            "urls": urls if isinstance(urls, str) else list(urls),
+            "protocol": _protocol(urls, self.storage_options),
+            "storage_options": self.storage_options,
+            "chunk_bytes": chunk_bytes,
+            "chunk_samples": chunk_samples,
+        }
+        self.fingerprint = fingerprint(self.preprocess) + (
+            f"+target:{fingerprint(target)}" if target is not None else ""
+        )
+        self._client = CacheClient(self.config)
+        ref, self.digest = self._client.manifest(self._spec)
+        self.manifest = self._map_manifest(ref)
         self._sampler = ShardSampler(
-            [o.url for o in self.manifest.objects],
+            self.manifest.layout.sizes(),
             self.rank,
             self.world_size,
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,
         )
-        self.fingerprint = fingerprint(self.preprocess)
-        self._client = CacheClient(self.config)
         self.generation = self._register_in_index()
+        self._refreshes = 0
         self._reset_process_state()
 
     # -- setup --------------------------------------------------------------------
+    @staticmethod
+    def _map_manifest(ref: Any) -> Manifest:
+        import ray
+
+        return Manifest.from_object(ray.get(ref))
+
     def _register_in_index(self) -> int:
-        index = self._client.index
-        total = sum(o.size for o in self.manifest.objects)
         source = self.urls if isinstance(self.urls, str) else f"{len(self.urls)} urls"
-        generation = index.register(
-            self.name, source, self.fingerprint, len(self.manifest), total
+        return self._client.index.register(
+            self.name,
+            source,
+            self.fingerprint,
+            len(self.manifest),
+            self.manifest.total_bytes,
         )
-        # A changed ETag invalidates exactly the changed objects.
-        index.invalidate_changed(
-            self.name, generation, {o.url: o.etag for o in self.manifest.objects}
-        )
-        return generation
+
+    def _store_spec(self) -> dict[str, Any]:
+        return {
+            **self._spec,
+            "fingerprint": self.fingerprint,
+            "generation": self.generation,
+            "manifest": self.digest,
+        }
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
         self._attached = False
-        self._refs: dict[int, Any] = {}
-        self._values: dict[int, Any] = {}
-        self._held_bytes = 0
-        self._transient: set[int] = set()
-        self._refs_generation = -1
+        self._reader: ChunkReader | None = None
         self._snapshot_due = True
-        self._pending: dict[int, Future[None]] = {}
-        self._prefetcher: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
         self._waits = WaitRecorder()
         self._counts = {
             "hits": 0,
@@ -233,47 +268,60 @@ class DistributedCachedDataset(Dataset[Any]):
         self._cursor = 0
         self._batch_size = 0
         self._index_errors = 0
+        self._usage = UsageReporter(
+            lambda: self._client.index.client,
+            self.config.namespace,
+            self.name,
+            self.job,
+            self.rank,
+            redis_url=self._client.redis_url if self.config.redis_url else "",
+        )
+        self._usage_flushed_at = time.monotonic()
+
+    @property
+    def usage_reporter(self) -> UsageReporter:
+        """What this process delivered, by origin; flushed to Redis off the loop."""
+        return self._usage
 
     def __getstate__(self) -> dict[str, Any]:
-        # DataLoader workers get the small description, never the refs or locks:
-        # each worker attaches lazily and the cache itself is not copied.
+        # DataLoader workers get the small description: never the mapped
+        # manifest, chunks or threads. Each worker maps them again by digest.
         state = self.__dict__.copy()
-        for k in (
-            "_refs",
-            "_values",
-            "_transient",
-            "_pending",
-            "_prefetcher",
-            "_lock",
-            "_client",
-        ):
+        for k in ("_reader", "_client", "manifest", "_usage"):
             state.pop(k, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._client = CacheClient(self.config)
+        self.manifest = None  # type: ignore[assignment]
         self._reset_process_state()
 
-    def _attach(self) -> None:
-        if self._attached and self._pid == os.getpid():
-            return
+    def _attach(self) -> ChunkReader:
+        if self._attached and self._pid == os.getpid() and self._reader is not None:
+            return self._reader
         if self._pid != os.getpid():
             self._client = CacheClient(self.config)
             self._reset_process_state()
-        spec = {
-            "name": self.name,
-            "protocol": self.manifest.protocol,
-            "storage_options": self.storage_options,
-            "fingerprint": self.fingerprint,
-            "generation": self.generation,
-        }
-        self._client.register(spec, self.preprocess)
+        self._client.register(self._store_spec(), self.preprocess, self.target)
+        if self.manifest is None:
+            self.manifest = self._map_manifest(
+                self._client.manifest_of(self.name, self.digest)
+            )
+        self._reader = ChunkReader(
+            self._client,
+            self.name,
+            self.manifest,
+            self.digest,
+            self.config.hold_bytes,
+            self.config.request_timeout_s,
+        )
         self._attached = True
+        return self._reader
 
     # -- Dataset protocol -----------------------------------------------------------
     def __len__(self) -> int:
-        return len(self.manifest)
+        return self._sampler.n
 
     @property
     def sampler(self) -> ShardSampler:
@@ -289,6 +337,8 @@ class DistributedCachedDataset(Dataset[Any]):
         self._consumed = 0
         self._cursor = 0
         self._waits.reset()
+        if self._reader is not None and self._pid == os.getpid():
+            self._reader.new_epoch()
         if self.consistency == "epoch" and self._pid == os.getpid():
             # The snapshot is one Redis read; taking it here keeps it out of
             # the first batch's wait (DataLoader workers take their own).
@@ -298,16 +348,83 @@ class DistributedCachedDataset(Dataset[Any]):
         return self.__getitems__([idx])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """Fetch a whole batch: one store call for its misses, one ``ray.get``."""
+        """A batch as a list of zero-copy samples (DataLoader's collate stacks them).
+
+        ``loader()`` is faster: it gathers straight into the batch tensor.
+        """
+        reader, chunks, chunk_ids, rows, idx, started = self._fetch(indices)
+        samples = [
+            reader.sample(chunks[c], r, i)
+            for c, r, i in zip(
+                chunk_ids.tolist(), rows.tolist(), idx.tolist(), strict=True
+            )
+        ]
+        if self.transform is not None:
+            samples = [
+                self._call_transform(i, s)
+                for i, s in zip(idx.tolist(), samples, strict=True)
+            ]
+        self._finish_batch(reader, chunk_ids, idx, started)
+        return samples
+
+    def collated(self, indices: Sequence[int], pin_memory: bool = False) -> Any:
+        """One collated batch of ``indices``: ``(B, ...)`` tensors gathered from
+        the chunks in one copy (a dict of them for dict samples, ``(x, y)``
+        with a target).
+
+        Raises:
+            CollateError: the samples differ in shape.
+        """
+        reader, chunks, chunk_ids, rows, idx, started = self._fetch(indices)
+        if self.transform is None:
+            batch = reader.collate(chunks, chunk_ids, rows, idx, pin_memory)
+        else:
+            samples = [
+                self._call_transform(i, reader.sample(chunks[c], r, i))
+                for c, r, i in zip(
+                    chunk_ids.tolist(), rows.tolist(), idx.tolist(), strict=True
+                )
+            ]
+            batch = torch.utils.data.default_collate(samples)
+        self._finish_batch(reader, chunk_ids, idx, started)
+        return batch
+
+    def loader(
+        self,
+        batch_size: int,
+        *,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+        device: str | torch.device | None = None,
+    ) -> BatchLoader:
+        """This rank's batches of the current epoch, collated (the fast path).
+
+        >>> # for epoch in range(3):
+        >>> #     ds.set_epoch(epoch)
+        >>> #     for x in ds.loader(64): ...
+        """
+        return BatchLoader(
+            self, batch_size, drop_last=drop_last, pin_memory=pin_memory, device=device
+        )
+
+    def _fetch(
+        self, indices: Sequence[int]
+    ) -> tuple[ChunkReader, dict[int, Any], np.ndarray, np.ndarray, np.ndarray, float]:
         started = time.perf_counter()
-        self._attach()
-        indices = [int(i) for i in indices]
+        reader = self._attach()
+        idx = np.asarray(indices, dtype=np.int64)
+        chunk_ids, rows = reader.locate(idx)
         for attempt in range(3):
-            generation = self._current_generation()
+            reader.use_generation(self._current_generation())
             try:
-                todo = [i for i in indices if i not in self._values]
-                got = dict(zip(todo, self._fetch_values(todo, generation), strict=True))
-                break
+                return (
+                    reader,
+                    reader.chunks_for(chunk_ids),
+                    chunk_ids,
+                    rows,
+                    idx,
+                    started,
+                )
             except StaleVersionError:
                 if attempt == 2:
                     raise
@@ -315,35 +432,49 @@ class DistributedCachedDataset(Dataset[Any]):
                 # generation at this batch boundary, never within a batch.
                 self._snapshot_due = True
                 self._counts["generation_switches"] += 1
-        held_hits = [i for i in indices if i not in got] if got else indices
-        if held_hits:  # values held since an earlier batch: no Ray call at all
-            objs = self.manifest.objects
-            self._counts["hits"] += len(held_hits)
-            self._counts["bytes"] += sum(objs[i].size for i in held_hits)
-        held = self._values
-        if self.transform is None and self.target is None:
-            samples = [got[i] if i in got else held[i] for i in indices]
-        else:
-            samples = [
-                self._apply_transform(i, got[i] if i in got else held[i])
-                for i in indices
-            ]
-        self._waits.record(time.perf_counter() - started)
-        self._counts["samples"] += len(indices)
-        self._consumed += len(indices)
-        self._batch_size = self._batch_size or len(indices)
-        self._cursor += len(indices)
-        self._schedule_prefetch()
+        raise AssertionError("unreachable")
+
+    def _finish_batch(
+        self,
+        reader: ChunkReader,
+        chunk_ids: np.ndarray,
+        idx: np.ndarray,
+        started: float,
+    ) -> None:
+        before = dict(reader.counts)
+        reader.count(chunk_ids, idx)
+        delta = {k: reader.counts[k] - before[k] for k in reader.counts}
+        self._counts["hits"] += delta["local"] + delta["peer"]
+        self._counts["misses"] += delta["source"]
+        self._counts["remote_reads"] += delta["source"]
+        self._counts["bytes"] += (
+            delta["local_bytes"] + delta["peer_bytes"] + delta["source_bytes"]
+        )
+        waited = time.perf_counter() - started
+        self._waits.record(waited)
+        for origin in ORIGINS:
+            if delta[origin]:
+                self._usage.served(origin, delta[origin], delta[f"{origin}_bytes"])
+        self._usage.waited(waited, self._sampler.epoch)
+        if time.monotonic() - self._usage_flushed_at >= FLUSH_INTERVAL_S:
+            self._usage_flushed_at = time.monotonic()
+            reader.submit(self._usage.flush)
+        n = len(idx)
+        self._counts["samples"] += n
+        self._consumed += n
+        self._batch_size = self._batch_size or n
+        self._cursor += n
+        if self.config.prefetch_batches:
+            order = self._sampler.order()
+            window = self.config.prefetch_batches * self._batch_size
+            # The first batch asks for the whole rest of the epoch: a cold
+            # epoch then keeps every core of the node's stores busy (the
+            # reader stops early when the stores cannot cache what it asks).
+            whole = self._waits.batches == 1 and not reader.saw_uncached
+            span = len(order) if whole else window
+            reader.prefetch(order[self._cursor : self._cursor + span])
         if self._waits.batches % RANK_REPORT_EVERY == 0:
             self._report_rank(in_background=True)
-        return samples
-
-    def _apply_transform(self, idx: int, sample: Any) -> Any:
-        if self.transform is not None:
-            sample = self._call_transform(idx, sample)
-        if self.target is not None:
-            return sample, self.target(self.manifest.objects[idx].url)
-        return sample
 
     def _call_transform(self, idx: int, sample: Any) -> Any:
         assert self.transform is not None
@@ -352,17 +483,13 @@ class DistributedCachedDataset(Dataset[Any]):
         except Exception as exc:  # user code
             raise TransformError(
                 f"transform {getattr(self.transform, '__qualname__', self.transform)!r} raised "
-                f"{type(exc).__name__} on {self.manifest.objects[idx].url!r}: {exc}"
+                f"{type(exc).__name__} on {self.manifest.url(idx)!r}: {exc}"
             ) from exc
 
-    # -- references ---------------------------------------------------------------
+    # -- generations --------------------------------------------------------------
     def _current_generation(self) -> int:
-        if (
-            self.consistency == "epoch"
-            and not self._snapshot_due
-            and self._refs_generation > 0
-        ):
-            return self._refs_generation
+        if self.consistency == "epoch" and not self._snapshot_due:
+            return self.generation
         self._snapshot_due = False
         try:
             generation = self._client.index.generation(self.name)
@@ -373,125 +500,8 @@ class DistributedCachedDataset(Dataset[Any]):
             generation = self.generation
         if generation <= 0:
             generation = self._register_in_index()
-        if generation != self._refs_generation:
-            with self._lock:
-                self._refs.clear()
-                self._values.clear()
-                self._held_bytes = 0
-                self._transient.clear()
-                self._refs_generation = generation
         self.generation = generation
         return generation
-
-    def _fetch_values(self, indices: list[int], generation: int) -> list[Any]:
-        """Resolve and ``ray.get`` what this rank does not hold yet, as tensors.
-
-        Values the store cached are kept as zero-copy tensors for the rest of
-        the generation, so a warm batch costs neither an actor call nor a
-        ``ray.get`` nor a ``torch.from_numpy``; values the store did not cache
-        (budget full) are used once and dropped, so the store's eviction
-        policy stays in charge.
-        """
-        import ray
-
-        if not indices:
-            return []
-        self._ensure_refs(indices, generation)
-        arrays = ray.get(
-            [self._refs[i] for i in indices], timeout=self.config.request_timeout_s
-        )
-        values = [_to_tensor(a) for a in arrays]
-        with self._lock:
-            if generation == self._refs_generation:
-                for i, a, v in zip(indices, arrays, values, strict=True):
-                    nbytes = _nbytes(a)
-                    if (
-                        i in self._transient
-                        or self._held_bytes + nbytes > self.config.hold_bytes
-                    ):
-                        self._transient.discard(i)
-                    else:
-                        self._values[i] = v
-                        self._held_bytes += nbytes
-                    self._refs.pop(i, None)
-        return values
-
-    def _ensure_refs(self, indices: Sequence[int], generation: int) -> None:
-        waiting = [
-            self._pending[i]
-            for i in indices
-            if i not in self._refs and i in self._pending
-        ]
-        for fut in waiting:
-            fut.result()
-        # Every reference still in _refs is unread (read ones are popped in
-        # _fetch_values) and was counted when _resolve stored it.
-        missing = sorted({i for i in indices if i not in self._refs})
-        if missing:
-            self._resolve(missing, generation)
-
-    def _resolve(self, indices: list[int], generation: int) -> None:
-        objs = self.manifest.objects
-        results = self._client.get_refs(
-            self.name,
-            generation,
-            [(objs[i].url, objs[i].etag, objs[i].size) for i in indices],
-        )
-        with self._lock:
-            if generation != self._refs_generation:
-                return
-            for i, (status, ref) in zip(indices, results, strict=False):
-                self._refs[i] = ref
-                if status == "uncached":
-                    self._transient.add(i)
-                if status in ("fetched", "uncached"):
-                    self._counts["misses"] += 1
-                    self._counts["remote_reads"] += 1
-                else:
-                    self._counts["hits"] += 1
-                self._counts["bytes"] += objs[i].size
-
-    def _schedule_prefetch(self) -> None:
-        """Resolve the references of the next batches in the background."""
-        if not self.config.prefetch_batches or not self._batch_size:
-            return
-        order = self._sampler.order()
-        window = order[
-            self._cursor : self._cursor
-            + self.config.prefetch_batches * self._batch_size
-        ].tolist()  # python ints: numpy scalars cost ~0.4 us each to look up
-        held, refs, pending = self._values, self._refs, self._pending
-        todo = [
-            i for i in window if i not in held and i not in refs and i not in pending
-        ]
-        if not todo:
-            return
-        generation = self._refs_generation
-        fut = self._background().submit(self._prefetch, todo, generation)
-        for i in todo:
-            self._pending[i] = fut
-
-    def _background(self) -> ThreadPoolExecutor:
-        """The one thread that prefetches and reports, off the training loop."""
-        if self._prefetcher is None:
-            self._prefetcher = ThreadPoolExecutor(
-                1, thread_name_prefix="shardcache-prefetch"
-            )
-        return self._prefetcher
-
-    def _prefetch(self, indices: list[int], generation: int) -> None:
-        import ray
-
-        try:
-            self._resolve(indices, generation)
-            refs = [self._refs[i] for i in indices if i in self._refs]
-            # Start pulling remote objects to this node now (global shuffle).
-            ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)
-        except (BackendError, StaleVersionError):
-            pass  # the foreground path retries and raises with full context
-        finally:
-            for i in indices:
-                self._pending.pop(i, None)
 
     # -- stats, state, invalidation ---------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -503,18 +513,15 @@ class DistributedCachedDataset(Dataset[Any]):
             **self._counts,
             "batches": self._waits.batches,
             "index_errors": self._index_errors,
+            "held_bytes": self._reader.held_bytes if self._reader is not None else 0,
+            "served": dict(self._reader.counts) if self._reader is not None else {},
             **self._waits.summary(),
         }
         total = out["hits"] + out["misses"]
         out["hit_rate"] = out["hits"] / total if total else 0.0
         try:
-            cluster = self._client.index.stats(self.name)
-            out["cluster"] = {
-                "hits": cluster.hits,
-                "misses": cluster.misses,
-                "remote_reads": cluster.remote_reads,
-                "hit_rate": cluster.hit_rate,
-            }
+            reader = UsageReader(self._client.index.client, self.config.namespace)
+            out["cluster"] = reader.totals(self.name).as_dict()
         except IndexUnavailable:
             out["cluster"] = None
         return out
@@ -530,10 +537,10 @@ class DistributedCachedDataset(Dataset[Any]):
             "generation": self.generation,
             "ts": time.time(),
         }
-        if in_background:
+        if in_background and self._reader is not None:
             # The report is built here (the wait deque is not thread-safe to
             # read); only the Redis write leaves the training loop's path.
-            self._background().submit(self._write_rank_report, report)
+            self._reader.submit(self._write_rank_report, report)
         else:
             self._write_rank_report(report)
 
@@ -550,34 +557,42 @@ class DistributedCachedDataset(Dataset[Any]):
         return self.generation
 
     def refresh(self) -> list[str]:
-        """Re-list the source; objects whose ETag changed are re-fetched. Returns them.
+        """Re-list the source (once for all ranks refreshing together); objects
+        whose ETag changed are re-read, nothing else. Returns their URLs.
 
         Call it on every rank (e.g. before ``set_epoch``): a rank reads the
         version its own listing saw, so ranks that have not refreshed keep
         the version they listed, consistently, until they do.
+
+        Raises:
+            ConfigError: objects were added or removed (the shards would move).
         """
-        manifest = list_source(self.urls, self.storage_options)
-        if [o.url for o in manifest.objects] != [o.url for o in self.manifest.objects]:
+        # One token per refresh round of this job: the ranks refreshing
+        # together share one listing.
+        self._refreshes += 1
+        token = f"{self.job}/{self._refreshes}/{self.digest}"
+        ref, digest = self._client.manifest(self._spec, token)
+        manifest = self._map_manifest(ref)
+        old = self.manifest if self.manifest is not None else self._attach().manifest
+        if not (
+            np.array_equal(
+                old.columns["name_offsets"], manifest.columns["name_offsets"]
+            )
+            and np.array_equal(old.columns["names"], manifest.columns["names"])
+        ):
             raise ConfigError(
-                f"the set of objects under {self.urls!r} changed ({len(self.manifest)} -> "
+                f"the set of objects under {self.urls!r} changed ({len(old)} -> "
                 f"{len(manifest)}); build a new DistributedCachedDataset so every rank "
                 "agrees on the shards."
             )
-        stale = {
-            i
-            for i, (old, new) in enumerate(
-                zip(self.manifest.objects, manifest.objects, strict=False)
-            )
-            if old.etag != new.etag
-        }
-        self.manifest = manifest
-        with self._lock:
-            for i in stale:
-                self._refs.pop(i, None)
-                self._values.pop(i, None)
-        return self._client.index.invalidate_changed(
-            self.name, self.generation, {o.url: o.etag for o in manifest.objects}
-        )
+        changed = np.flatnonzero(old.hashes != manifest.hashes)
+        self.manifest, self.digest = manifest, digest
+        if self._reader is not None:
+            stale_chunks = np.unique(self._reader.layout.chunk_of(changed))
+            self._reader.set_manifest(manifest, digest)
+            self._reader.drop_chunks(stale_chunks.tolist())
+            self._client.register(self._store_spec(), self.preprocess, self.target)
+        return [manifest.url(int(i)) for i in changed]
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Where this rank is; ``consumed`` overrides the count seen by this process
@@ -585,7 +600,7 @@ class DistributedCachedDataset(Dataset[Any]):
         return {
             "epoch": self._sampler.epoch,
             "consumed": self._consumed if consumed is None else int(consumed),
-            "manifest": self.manifest.digest,
+            "manifest": self.digest,
             **self._sampler.state(),
         }
 
@@ -602,7 +617,7 @@ class DistributedCachedDataset(Dataset[Any]):
                     f"state_dict has {key}={state.get(key)!r} but this dataset has "
                     f"{mine[key]!r}; resume with the same settings."
                 )
-        if state.get("manifest") != self.manifest.digest:
+        if state.get("manifest") != self.digest:
             raise ConfigError(
                 "state_dict was saved for a different listing of the source; "
                 "the objects changed, so the shards would not match."
@@ -611,18 +626,30 @@ class DistributedCachedDataset(Dataset[Any]):
         self._consumed = int(state["consumed"])
         self._cursor = int(state["consumed"])
 
+    def epoch_indices(self) -> Iterator[np.ndarray]:
+        """The rest of this epoch's order (after a resume), for ``loader()``."""
+        order = self._sampler.order()
+        yield order[self._sampler.take_skip() :]
+
     def cached_locality(self) -> dict[str, int]:
-        """How many of this rank's shard objects are cached on each node (from the index)."""
-        urls = {self.manifest.objects[int(i)].url for i in self._sampler.shard}
-        entries = self._client.index.entries(self.name, self.generation, urls)
+        """How many of this rank's shard samples are cached on each node (from the index)."""
+        layout = self.manifest.layout
+        chunk_ids, counts = np.unique(
+            layout.chunk_of(self._sampler.shard), return_counts=True
+        )
+        keys = [f"c{c}" for c in chunk_ids.tolist()]
+        entries = self._client.index.entries(self.name, self.generation, keys)
         out: dict[str, int] = {}
-        for e in entries.values():
-            out[str(e.get("owner"))] = out.get(str(e.get("owner")), 0) + 1
+        for key, n in zip(keys, counts.tolist(), strict=True):
+            entry = entries.get(key)
+            if entry is not None:
+                owner = str(entry.get("owner"))
+                out[owner] = out.get(owner, 0) + n
         return out
 
     def close(self) -> None:
-        """Report final stats and stop the prefetch thread."""
+        """Report final stats and stop the prefetch threads."""
         self._report_rank()
-        if self._prefetcher is not None:
-            self._prefetcher.shutdown(wait=True)
-            self._prefetcher = None
+        if self._reader is not None:
+            self._reader.close()
+        self._usage.close()

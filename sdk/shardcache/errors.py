@@ -7,6 +7,7 @@
   + StaleVersionError(ShardCacheError)         object changed upstream during read
   + PreprocessError(ShardCacheError)           the user's preprocess raised or returned a non-array
   + TransformError(ShardCacheError)            the user's per-sample transform raised
+  + CollateError(ShardCacheError, ValueError)  a batch's samples cannot form one tensor
   + BackendError(ShardCacheError)              wraps redis / botocore / ray errors (see __cause__)
     - IndexUnavailable                         Redis unreachable, wrong password, bad URL
     - RemoteFetchError                         the object source failed after retries
@@ -23,6 +24,7 @@ from __future__ import annotations
 __all__ = [
     "BackendError",
     "CacheMiss",
+    "CollateError",
     "ConfigError",
     "CorruptObjectError",
     "EmptyDatasetError",
@@ -63,6 +65,10 @@ class PreprocessError(ShardCacheError):
 
 class TransformError(ShardCacheError):
     """The per-sample transform failed on the rank."""
+
+
+class CollateError(ShardCacheError, ValueError):
+    """Samples of one batch differ in shape, so they cannot be one batch tensor."""
 
 
 class BackendError(ShardCacheError):

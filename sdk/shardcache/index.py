@@ -243,6 +243,19 @@ return changed
 """
 
 
+# KEYS[1] manifest hash; ARGV[1] expected owner ('' = none), ARGV[2] claimant.
+# Returns the owner afterwards: the claimant when the expected owner still
+# held it (or nobody did), else whoever won.
+_CLAIM_MANIFEST = """
+local cur = redis.call('HGET', KEYS[1], 'owner')
+if cur == false or cur == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'owner', ARGV[2])
+  return ARGV[2]
+end
+return cur
+"""
+
+
 class RedisIndex:
     """Typed access to one deployment's keys in Redis.
 
@@ -264,6 +277,7 @@ class RedisIndex:
         self._cas = client.register_script(_CAS)
         self._release = client.register_script(_RELEASE)
         self._drop_changed = client.register_script(_DROP_CHANGED)
+        self._claim_manifest = client.register_script(_CLAIM_MANIFEST)
 
     @classmethod
     def from_url(cls, url: str, namespace: str = keys.DEFAULT_NAMESPACE) -> RedisIndex:
@@ -346,6 +360,29 @@ class RedisIndex:
             )
         except ValueError:
             return None  # written by someone else in a shape we do not know
+
+    # -- the published listing --------------------------------------------------
+    def manifest_record(self, name: str) -> dict[str, str]:
+        """Who holds the dataset's published manifest: owner, digest, refresh, ..."""
+        with self.errors():
+            return dict(self.client.hgetall(keys.manifest_key(self.ns, name)))
+
+    def claim_manifest(self, name: str, expected: str, me: str) -> str:
+        """Become the lister if ``expected`` (or nobody) holds it; returns the holder."""
+        with self.errors():
+            return str(
+                self._claim_manifest(
+                    keys=[keys.manifest_key(self.ns, name)], args=[expected, me]
+                )
+            )
+
+    def publish_manifest(self, name: str, me: str, **fields: Any) -> None:
+        """Record the listing ``me`` published (digest, refresh round, counts)."""
+        with self.errors():
+            self.client.hset(
+                keys.manifest_key(self.ns, name),
+                mapping={"owner": me, **{k: str(v) for k, v in fields.items()}},
+            )
 
     # -- entries and owners ---------------------------------------------------
     def entries(

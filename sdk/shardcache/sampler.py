@@ -9,7 +9,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from shardcache.errors import ConfigError
-from shardcache.sharding import assign_shards, epoch_order, global_order, validate_world
+from shardcache.sharding import assign_chunks, epoch_order, global_order, validate_world
 
 __all__ = ["SHUFFLE_MODES", "ShardSampler"]
 
@@ -20,7 +20,8 @@ class ShardSampler(Sampler[int]):
     """Yields this rank's sample indices for the current epoch.
 
     Args:
-        keys: every sample's identity (the object URLs), in manifest order.
+        chunk_sizes: samples per chunk, in manifest order; a rank's shard is
+            made of whole chunks (a few split at the edges for balance).
         rank: this rank. world_size: ranks in the job.
         shuffle: ``True``/``"shard"`` reshuffles inside a stable per-rank
             shard; ``"global"`` is DistributedSampler's global permutation;
@@ -30,7 +31,7 @@ class ShardSampler(Sampler[int]):
 
     def __init__(
         self,
-        keys: Sequence[str],
+        chunk_sizes: Sequence[int] | np.ndarray,
         rank: int,
         world_size: int,
         *,
@@ -43,7 +44,7 @@ class ShardSampler(Sampler[int]):
             raise ConfigError(
                 f"shuffle must be one of {SHUFFLE_MODES}, got {shuffle!r}."
             )
-        self.n = len(keys)
+        self.n = int(np.sum(chunk_sizes))
         self.rank, self.world_size = rank, world_size
         self.mode = "global" if shuffle == "global" else "shard"
         self.shuffle = shuffle is not False
@@ -51,7 +52,7 @@ class ShardSampler(Sampler[int]):
         self.epoch = 0
         self._skip = 0
         if self.mode == "shard":
-            shards = assign_shards(keys, world_size, seed)
+            shards = assign_chunks(np.asarray(chunk_sizes), world_size, seed)
             self.shard = shards[rank]
             sizes = [len(s) for s in shards]
             self.num_samples = min(sizes) if drop_last else max(sizes)
@@ -96,6 +97,11 @@ class ShardSampler(Sampler[int]):
     def resume(self, epoch: int, consumed: int) -> None:
         """Continue ``epoch`` after its first ``consumed`` samples (once)."""
         self.epoch, self._skip = int(epoch), int(consumed)
+
+    def take_skip(self) -> int:
+        """The samples a resume skips at the start of this epoch (once)."""
+        skip, self._skip = self._skip, 0
+        return skip
 
     def __iter__(self) -> Iterator[int]:
         order, self._skip = self.order()[self._skip :], 0

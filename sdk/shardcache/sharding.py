@@ -18,7 +18,13 @@ import numpy as np
 
 from shardcache.errors import ConfigError
 
-__all__ = ["assign_shards", "epoch_order", "global_order", "validate_world"]
+__all__ = [
+    "assign_chunks",
+    "assign_shards",
+    "epoch_order",
+    "global_order",
+    "validate_world",
+]
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -59,6 +65,21 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
+def _rendezvous(
+    key_h: np.ndarray, world_size: int, n: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each key's ranks in preference order, and each rank's capacity in
+    samples (exact balance: the first ``n % W`` ranks take one more)."""
+    rank_salt = _mix(
+        np.arange(1, world_size + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    )
+    scores = _mix(key_h[:, None] ^ rank_salt[None, :])
+    preference = np.argsort(-scores.astype(np.float64), axis=1, kind="stable")
+    capacity = np.full(world_size, n // world_size, dtype=np.int64)
+    capacity[: n % world_size] += 1
+    return preference, capacity
+
+
 def assign_shards(
     keys: Sequence[str], world_size: int, seed: int = 0
 ) -> list[np.ndarray]:
@@ -77,14 +98,7 @@ def assign_shards(
     if world_size == 1:
         return [np.arange(n, dtype=np.int64)]
     key_h = _key_hashes(keys, seed)
-    rank_salt = _mix(
-        np.arange(1, world_size + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    )
-    scores = _mix(key_h[:, None] ^ rank_salt[None, :])
-    preference = np.argsort(-scores.astype(np.float64), axis=1, kind="stable")
-    # Exact balance: the first n % W ranks take one extra key.
-    capacity = np.full(world_size, n // world_size, dtype=np.int64)
-    capacity[: n % world_size] += 1
+    preference, capacity = _rendezvous(key_h, world_size, n)
     load = np.zeros(world_size, dtype=np.int64)
     owner = np.empty(n, dtype=np.int64)
     # Visit keys in hash order (not list order) so the keys that overflow a full
@@ -96,6 +110,61 @@ def assign_shards(
                 load[r] += 1
                 break
     return [np.flatnonzero(owner == r) for r in range(world_size)]
+
+
+def assign_chunks(
+    chunk_sizes: np.ndarray, world_size: int, seed: int = 0
+) -> list[np.ndarray]:
+    """Split the samples of whole chunks into ``world_size`` disjoint, covering
+    shards whose sizes differ by at most one sample (as DistributedSampler's).
+
+    Each chunk goes whole to the best-scoring rank (rendezvous hashing on the
+    chunk id) that still has room; a chunk that fits no rank whole is split
+    between the ranks with room left, so a few chunks (at most one per rank)
+    are shared by two ranks. Returns each rank's sample indices, ascending.
+
+    >>> shards = assign_chunks(np.array([4, 4, 4, 3]), 2)
+    >>> sorted(len(s) for s in shards), sorted(int(i) for s in shards for i in s) == list(range(15))
+    ([7, 8], True)
+    """
+    validate_world(0, world_size)
+    sizes = np.asarray(chunk_sizes, dtype=np.int64)
+    starts = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+    n = int(starts[-1])
+    if world_size == 1:
+        return [np.arange(n, dtype=np.int64)]
+    salt = _mix(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) + np.uint64(0x9E3779B97F4A7C15))
+    chunk_h = _mix(np.arange(1, len(sizes) + 1, dtype=np.uint64) ^ salt)
+    preference, capacity = _rendezvous(chunk_h, world_size, n)
+    load = np.zeros(world_size, dtype=np.int64)
+    pieces: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
+    leftover = []
+    # Per chunk, not per sample: a Python loop over chunks is cheap.
+    for c in np.argsort(chunk_h, kind="stable").tolist():
+        size = int(sizes[c])
+        for r in preference[c].tolist():
+            if load[r] + size <= capacity[r]:
+                pieces[r].append((int(starts[c]), int(starts[c + 1])))
+                load[r] += size
+                break
+        else:
+            leftover.append(c)
+    for c in leftover:
+        lo, hi = int(starts[c]), int(starts[c + 1])
+        for r in preference[c].tolist():
+            take = min(hi - lo, int(capacity[r] - load[r]))
+            if take > 0:
+                pieces[r].append((lo, lo + take))
+                load[r] += take
+                lo += take
+            if lo == hi:
+                break
+    return [
+        np.sort(np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in p]))
+        if p
+        else np.zeros(0, dtype=np.int64)
+        for p in pieces
+    ]
 
 
 def epoch_order(

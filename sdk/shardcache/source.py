@@ -2,14 +2,13 @@
 
 One listing call per distinct prefix gives every object's size and version
 (the ETag on S3, ``fs.ukey`` elsewhere); there is never one HEAD per object.
+The result is a compact :class:`~shardcache.manifest.Manifest` (arrays).
 """
 
 from __future__ import annotations
 
-import hashlib
 import posixpath
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -20,11 +19,11 @@ from shardcache.errors import (
     RemoteFetchError,
     SourceNotFound,
 )
+from shardcache.manifest import Manifest
 
 __all__ = [
     "SUPPORTED_PROTOCOLS",
     "Manifest",
-    "SourceObject",
     "list_source",
     "open_remote",
 ]
@@ -42,34 +41,6 @@ SUPPORTED_PROTOCOLS = (
     "memory",
 )
 _GLOB_CHARS = "*?["
-
-
-@dataclass(frozen=True)
-class SourceObject:
-    """One remote object as the listing saw it."""
-
-    url: str
-    size: int
-    etag: str
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """The ordered objects of a dataset, plus what is needed to read them."""
-
-    protocol: str
-    objects: tuple[SourceObject, ...]
-
-    def __len__(self) -> int:
-        return len(self.objects)
-
-    @property
-    def digest(self) -> str:
-        """Changes when any object is added, removed or rewritten."""
-        h = hashlib.sha256()
-        for obj in self.objects:
-            h.update(f"{obj.url}\0{obj.etag}\0{obj.size}\n".encode())
-        return h.hexdigest()[:16]
 
 
 def open_remote(
@@ -133,6 +104,17 @@ def _list_one(fs: Any, path: str, url: str) -> dict[str, dict[str, Any]]:
         ) from exc
     except OSError as exc:
         raise RemoteFetchError(f"listing {url!r} failed: {exc}") from exc
+    except Exception as exc:  # botocore/aiohttp errors s3fs did not map
+        if type(exc).__module__.split(".")[0] not in (
+            "botocore",
+            "aiobotocore",
+            "aiohttp",
+        ):
+            raise
+        raise RemoteFetchError(
+            f"listing {url!r} failed: {type(exc).__name__}: {exc}. Check the "
+            "credentials and endpoint in storage_options."
+        ) from exc
     return {p: i for p, i in found.items() if i.get("type", "file") == "file"}
 
 
@@ -161,13 +143,11 @@ def list_source(
         )
     fs, _ = open_remote(url_list[0], storage_options)
     protocol = url_list[0].split("://", 1)[0] if "://" in url_list[0] else "file"
-    objects: dict[str, SourceObject] = {}
+    objects: dict[str, tuple[int, str]] = {}
     if isinstance(urls, str):
         _, path = open_remote(urls, storage_options)
         for p, info in _list_one(fs, path, urls).items():
-            objects[p] = SourceObject(
-                _to_url(protocol, p), int(info["size"]), _version_of(fs, info)
-            )
+            objects[p] = (int(info["size"]), _version_of(fs, info))
     else:
         wanted: dict[str, list[str]] = {}
         for url in url_list:
@@ -183,16 +163,19 @@ def list_source(
                 )
             for p in paths:
                 info = listed[p]
-                objects[p] = SourceObject(
-                    _to_url(protocol, p), int(info["size"]), _version_of(fs, info)
-                )
+                objects[p] = (int(info["size"]), _version_of(fs, info))
     if not objects:
         raise EmptyDatasetError(
             f"source {url_list[0]!r} lists no objects. Check the prefix or glob; "
             "a prefix must end with the directory name, e.g. s3://bucket/train/."
         )
-    ordered = tuple(objects[p] for p in sorted(objects))
-    return Manifest(protocol=protocol, objects=ordered)
+    ordered = sorted(objects)
+    return Manifest.from_entries(
+        protocol,
+        [_to_url(protocol, p) for p in ordered],
+        [objects[p][0] for p in ordered],
+        [objects[p][1] for p in ordered],
+    )
 
 
 def _to_url(protocol: str, path: str) -> str:

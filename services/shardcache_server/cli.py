@@ -80,12 +80,15 @@ def warm(
     storage_option: list[str] = typer.Option(
         [], "--storage-option", "-o", help="KEY=VALUE for fsspec"
     ),
-    batch: int = typer.Option(64, min=1, help="objects per store request"),
+    batch: int = typer.Option(8, min=1, help="chunks per store request"),
+    chunk_samples: int = typer.Option(
+        4096, min=1, help="objects per chunk (the first listing of a dataset fixes it)"
+    ),
     redis_url: str = RedisOpt,
     namespace: str = NamespaceOpt,
     ray_address: str = typer.Option(None, envvar="RAY_ADDRESS"),
 ) -> None:
-    """Pre-fill the cache: every object fetched once, spread over the nodes."""
+    """Pre-fill the cache: every chunk built once, spread over the nodes."""
     from shardcache_server.warm import warm_dataset
 
     with _friendly_errors():
@@ -98,6 +101,7 @@ def warm(
             namespace=namespace,
             ray_address=ray_address,
             batch=batch,
+            chunk_samples=chunk_samples,
             console=console,
         )
     console.print(

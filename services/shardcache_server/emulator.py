@@ -125,6 +125,7 @@ class S3Emulator:
         self.gets: Counter[str] = Counter()
         self.get_times: list[float] = []  # monotonic arrival time of every object GET
         self.requests = 0
+        self.lists = 0  # ListObjectsV2 requests (pages)
         self.cpu_s = 0.0  # CPU time the storage side spent serving requests
         self.faults = FaultPlan()
         self._rng = random.Random(0)
@@ -180,6 +181,7 @@ class S3Emulator:
             self.gets.clear()
             self.get_times.clear()
             self.requests = 0
+            self.lists = 0
             self.cpu_s = 0.0
 
     def set_faults(self, plan: FaultPlan) -> None:
@@ -237,6 +239,8 @@ class S3Emulator:
                 if is_object_get:
                     self.gets[unquote(path)] += 1
                     self.get_times.append(time.monotonic())
+                elif method == "GET" and "list-type" in query:
+                    self.lists += 1  # ListObjectsV2 pages
             if not is_object_get:
                 return app(environ, start_response)
             if delay:

@@ -53,7 +53,8 @@ def _to_array(value: Any, url: str, field: str = "") -> np.ndarray:
             f"preprocess returned an object-dtype array for {where}; use a numeric dtype "
             "(object arrays would need pickling)."
         )
-    return np.ascontiguousarray(value)
+    # np.ascontiguousarray would turn a 0-d scalar into shape (1,)
+    return value if value.flags.c_contiguous else np.ascontiguousarray(value)
 
 
 def run_preprocess(

@@ -35,7 +35,6 @@ def run_selftest(
     from shardcache.config import ClientConfig
     from shardcache.embedded import attach_ray
     from shardcache.index import RedisIndex
-    from shardcache.source import list_source
     from shardcache_server.datagen import upload_blobs
     from shardcache_server.emulator import S3Emulator
     from shardcache_server.warm import warm_dataset
@@ -69,9 +68,9 @@ def run_selftest(
         )
         attach_ray(ray_address)
         client = CacheClient(ClientConfig(redis_url=index.url, namespace=namespace))
-        listed = list_source("s3://selftest/d/", emulator.storage_options()).objects
-        items = [(o.url, o.etag, o.size) for o in listed]
-        results = client.get_refs("selftest", summary["generation"], items)
+        results = client.get_refs(
+            "selftest", summary["generation"], summary["items"], summary["digest"]
+        )
         ray.get([ref for _, ref in results])
         statuses = {s for s, _ in results}
         if statuses - {"hit", "remote-hit"}:

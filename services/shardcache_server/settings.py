@@ -40,7 +40,10 @@ class ServiceSettings(BaseSettings):
         fetch_timeout_s: see the constants above.
         verify_checksum: compare an S3 ETag that is a plain MD5 with the bytes
             read. Defaults to ``True``.
-        preprocess_workers: threads running the user's preprocess per store.
+        build_workers: chunks built at once per store, each in a worker
+            process of the node (fetch + preprocess). ``0`` (the default)
+            uses one per CPU of the node.
+        preprocess_workers: threads per store for Redis writes off the loop.
 
     Where state lives:
         redis_url: the index. namespace: the deployment (key prefix, Ray
@@ -64,6 +67,7 @@ class ServiceSettings(BaseSettings):
     backoff_max_s: float = Field(default=DEFAULT_BACKOFF_MAX_S, ge=0)
     fetch_timeout_s: float = Field(default=DEFAULT_FETCH_TIMEOUT_S, gt=0)
     verify_checksum: bool = True
+    build_workers: int = Field(default=0, ge=0)
     preprocess_workers: int = Field(default=2, ge=1)
     stats_flush_s: float = Field(default=DEFAULT_STATS_FLUSH_S, gt=0)
     max_restarts: int = Field(default=DEFAULT_MAX_RESTARTS, ge=-1)

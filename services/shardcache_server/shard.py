@@ -1,7 +1,10 @@
-"""The cache store: one per Ray node, owning the ObjectRefs of what it caches.
+"""The cache store: one per Ray node, owning the ObjectRefs of the chunks it caches.
 
-``CacheShard`` is a plain class (tests drive it without Ray); ``start_shard``
-is the only place it becomes a Ray actor.
+The unit of everything here (claims, pull-once, eviction, retired
+generations, index entries) is a chunk: a run of consecutive samples built
+by ``builder.py`` in worker processes of the node. ``CacheShard`` is a plain
+class (tests drive it without Ray); ``start_shard`` is the only place it
+becomes a Ray actor.
 """
 
 from __future__ import annotations
@@ -13,20 +16,26 @@ import logging
 import threading
 import time
 import uuid
-import zlib
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from shardcache import keys
-from shardcache.errors import BackendError, ConfigError, ShardCacheError
+from shardcache.errors import (
+    BackendError,
+    ConfigError,
+    ShardCacheError,
+    StaleVersionError,
+)
 from shardcache.index import RedisIndex
-from shardcache_server.budget import RequestBudget
+from shardcache.manifest import Manifest, chunk_key
+from shardcache_server.builder import BuildRequest, RayChunkBuilder
 from shardcache_server.eviction import make_policy
-from shardcache_server.fetch import Fetcher
-from shardcache_server.preprocess import describe, run_preprocess
+from shardcache_server.listing import Listings
 from shardcache_server.retired import RetiredGenerations
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.stats import StatsBuffer
@@ -35,9 +44,10 @@ __all__ = ["CacheShard", "Item", "Result", "ray_namespace", "start_shard", "stor
 
 log = logging.getLogger(__name__)
 
-Item = tuple[str, str, int]  # (url, etag, size) as listed
-# ("hit"|"fetched"|"remote", ref) or ("error", error class name, message)
+Item = tuple[str, str, int]  # (chunk key, chunk version, source bytes)
+# ("hit"|"fetched"|"remote-hit"|"uncached", ref) or ("error", class, message)
 # or ("unregistered",) when the store lost the dataset's preprocess (restart).
+Builder = Callable[[BuildRequest], Awaitable[tuple[Any, dict[str, Any]]]]
 Result = tuple[Any, ...]
 RESYNC_BACKOFF_S = 1.0  # pause between Redis reconnect attempts of the listener
 
@@ -53,9 +63,10 @@ def ray_namespace(ns: str) -> str:
 @dataclass
 class _Cached:
     ref: Any
-    etag: str
+    etag: str  # the chunk's version
     generation: int
     nbytes: int
+    hashes: np.ndarray  # member (url, etag) hashes: which rows a rebuild may reuse
 
 
 @dataclass
@@ -64,17 +75,23 @@ class _Dataset:
     protocol: str
     fingerprint: str
     preprocess: Callable[[bytes], Any]
-    fetcher: Fetcher
+    storage_options: dict[str, Any]
+    manifest: Manifest
+    digest: str
+    target: Callable[[str], Any] | None = None
 
 
 class CacheShard:
-    """Caches preprocessed objects of any number of datasets on one node.
+    """Caches preprocessed chunks of any number of datasets on one node.
 
     Args:
         settings: the service settings (budget, eviction, fetch limits, Redis).
         node_id: the Ray node this store serves.
         put: stores a value and returns a reference; ``ray.put`` under Ray.
+        get: maps a reference back to its value; ``ray.get`` under Ray.
         peer: returns the store handle of another node, or ``None`` if gone.
+        build: builds one chunk and returns ``(reference, report)``; under
+            Ray a task pinned to this node (``builder.RayChunkBuilder``).
     """
 
     def __init__(
@@ -83,7 +100,9 @@ class CacheShard:
         node_id: str,
         *,
         put: Callable[[Any], Any] | None = None,
+        get: Callable[[Any], Any] | None = None,
         peer: Callable[[str], Any] | None = None,
+        build: Builder | None = None,
     ):
         self.settings = (
             settings
@@ -94,16 +113,19 @@ class CacheShard:
         self.incarnation = uuid.uuid4().hex[:8]
         self.me = f"{node_id}/{self.incarnation}"
         self._put = put or _ray_put
+        self._get = get or _ray_get
         self._peer = peer or (lambda node: _ray_peer(self.settings.namespace, node))
+        self._build = build
         self._policy = make_policy(self.settings.eviction, self.settings.cache_bytes)
         self._retired = RetiredGenerations(self.settings.retire_grace_s)
+        self._listings = Listings(self._put, self._get)
         self._table: dict[tuple[str, str], _Cached] = {}
         self._datasets: dict[str, _Dataset] = {}
         self._generation: dict[str, int] = defaultdict(int)
         self._inflight: dict[tuple[str, int, str, str], asyncio.Future[Result]] = {}
         self._stats = StatsBuffer()
         self._pool = ThreadPoolExecutor(
-            self.settings.preprocess_workers, thread_name_prefix="preprocess"
+            self.settings.preprocess_workers, thread_name_prefix="index-writes"
         )
         self._index: RedisIndex | None = None
         self._index_dirty = False
@@ -116,6 +138,10 @@ class CacheShard:
         if self._loop is not None:
             return
         self._loop = asyncio.get_running_loop()
+        if self._build is None:
+            self._build = RayChunkBuilder(
+                self.settings, self.node_id, _build_workers(self.settings, self.node_id)
+            ).build
         self._index = RedisIndex.from_url(
             self.settings.redis_url, self.settings.namespace
         )
@@ -142,39 +168,149 @@ class CacheShard:
 
     # -- public API ------------------------------------------------------------
     async def register(
-        self, spec: dict[str, Any], preprocess: Callable[[bytes], Any]
+        self,
+        spec: dict[str, Any],
+        preprocess: Callable[[bytes], Any],
+        target: Callable[[str], Any] | None = None,
     ) -> int:
-        """Learn how to fetch and preprocess a dataset; returns its generation.
+        """Learn how to build a dataset's chunks; returns its generation.
 
-        The callable comes from the job that registered the dataset (through
+        ``spec["manifest"]`` is the digest of the listing the caller reads;
+        this store maps that manifest (from its holder) before answering. The
+        callables come from the job that registered the dataset (through
         Ray), never from Redis.
         """
         self._ensure_started()
         name = keys.validate_name("dataset name", spec["name"])
-        fetcher = Fetcher(
-            spec["protocol"],
-            spec.get("storage_options") or {},
-            concurrency=self.settings.fetch_concurrency,
-            retries=self.settings.fetch_retries,
-            backoff_s=self.settings.backoff_s,
-            backoff_max_s=self.settings.backoff_max_s,
-            timeout_s=self.settings.fetch_timeout_s,
-            verify_checksum=self.settings.verify_checksum,
-            budget=self._budget(),
-        )
-        # Advance first: the generation being retired keeps its own preprocess.
+        manifest = await self._manifest_by_digest(name, spec["manifest"], spec)
+        # Advance first: the generation being retired keeps its own spec.
         self._advance(name, int(spec["generation"]))
         self._datasets[name] = _Dataset(
-            name, spec["protocol"], spec["fingerprint"], preprocess, fetcher
+            name,
+            spec["protocol"],
+            spec["fingerprint"],
+            preprocess,
+            dict(spec.get("storage_options") or {}),
+            manifest,
+            spec["manifest"],
+            target,
         )
         return self._generation[name]
 
-    def _budget(self) -> RequestBudget | None:
-        if not self.settings.source_rps or self._index is None:
+    async def manifest(
+        self, spec: dict[str, Any], token: str = "", *, forwarded: bool = False
+    ) -> list[Any]:
+        """``[reference, digest]`` of the dataset's published manifest.
+
+        Listed once per cluster: the store holding the claim in Redis lists
+        (again for each new refresh ``token``; ``""`` takes any listing);
+        every other store forwards to it. The reference is wrapped in a list
+        so Ray hands it over unresolved.
+        """
+        self._ensure_started()
+        assert self._index is not None
+        name = keys.validate_name("dataset name", spec["name"])
+        mine = self._listings.published(name, token)
+        if mine is not None:
+            return [mine[0], mine[1]]
+        holder = ""
+        if not forwarded:
+            try:
+                record = await asyncio.to_thread(self._index.manifest_record, name)
+                holder = record.get("owner", "")
+                if holder and holder != self.me:
+                    found = await self._manifest_from(holder, spec, token)
+                    if found is not None:
+                        return found
+                holder = await asyncio.to_thread(
+                    self._index.claim_manifest, name, holder, self.me
+                )
+                if holder != self.me:  # another store won the race: it lists
+                    found = await self._manifest_from(holder, spec, token)
+                    if found is not None:
+                        return found
+                    await asyncio.to_thread(
+                        self._index.claim_manifest, name, holder, self.me
+                    )
+            except BackendError:
+                self._index_dirty = True  # Redis down: list here, at worst twice
+        ref, digest, manifest = await self._listings.publish(spec, token)
+        await self._publish_listing(name, digest, manifest)
+        return [ref, digest]
+
+    async def manifest_of(self, dataset: str, digest: str) -> list[Any]:
+        """``[reference]`` of a manifest this store holds, or ``[]`` (peers ask)."""
+        found = self._listings.held(dataset, digest)
+        return [] if found is None else [found[0]]
+
+    async def _manifest_from(
+        self, holder: str, spec: dict[str, Any], token: str
+    ) -> list[Any] | None:
+        handle = self._peer(holder.split("/", 1)[0])
+        if handle is None:
             return None
-        return RequestBudget(
-            self._index, self.settings.source_rps, self.settings.source_burst
-        )
+        try:
+            ref, digest = await handle.manifest.remote(spec, token, forwarded=True)
+        except Exception as exc:  # the holder died: whoever asks next lists
+            if type(exc).__module__.split(".")[0] != "ray":
+                raise
+            return None
+        self._listings.adopt(spec["name"], digest, ref)
+        return [ref, digest]
+
+    async def _manifest_by_digest(
+        self, dataset: str, digest: str, spec: dict[str, Any]
+    ) -> Manifest:
+        found = self._listings.held(dataset, digest)
+        if found is not None:
+            return found[1]
+        assert self._index is not None
+        record = await asyncio.to_thread(self._index.manifest_record, dataset)
+        holder = record.get("owner", "")
+        handle = self._peer(holder.split("/", 1)[0]) if holder else None
+        if handle is not None and holder != self.me:
+            refs = await handle.manifest_of.remote(dataset, digest)
+            if refs:
+                return self._listings.adopt(dataset, digest, refs[0])
+        # Nobody holds that listing any more (holder restarted): list again;
+        # a different result means the caller must re-read it.
+        ref, got, manifest = await self._listings.publish({**spec, "name": dataset})
+        await self._publish_listing(dataset, got, manifest)
+        if got != digest:
+            raise StaleVersionError(
+                f"the listing of dataset {dataset!r} the rank read ({digest}) is gone "
+                f"and the source now lists {got}. Call refresh() on every rank."
+            )
+        return manifest
+
+    async def _publish_listing(
+        self, name: str, digest: str, manifest: Manifest
+    ) -> None:
+        """Record the new listing and drop index entries of chunks that changed."""
+        assert self._index is not None
+        layout = manifest.layout
+        try:
+            await asyncio.to_thread(
+                self._index.publish_manifest,
+                name,
+                self.me,
+                digest=digest,
+                objects=len(manifest),
+                chunks=len(layout),
+                listed_at=time.time(),
+            )
+            generation = await asyncio.to_thread(self._index.generation, name)
+            if generation > 0:
+                versions = manifest.chunk_versions(layout)
+                current = {
+                    chunk_key(c): f"{int(v):016x}"
+                    for c, v in enumerate(versions.tolist())
+                }
+                await asyncio.to_thread(
+                    self._index.invalidate_changed, name, generation, current
+                )
+        except BackendError:
+            self._index_dirty = True
 
     async def get(
         self,
@@ -183,17 +319,27 @@ class CacheShard:
         items: list[Item],
         *,
         forwarded: bool = False,
+        digest: str | None = None,
     ) -> list[Result]:
-        """Return a reference (or an error record) for every item, in order.
+        """Return a chunk reference (or an error record) for every item, in order.
 
         Hits cost nothing but a dict lookup. Misses are claimed in Redis: this
-        store fetches the ones it owns and asks the owner store for the rest,
-        so each object is read from the source once per cluster.
+        store builds the chunks it owns and asks the owner store for the
+        rest, so each object is read from the source once per cluster.
+        ``digest`` names the listing the caller's chunk versions come from.
         """
         self._ensure_started()
         ds = self._datasets.get(dataset)
         if ds is None:
             return [("unregistered",)] * len(items)
+        if digest is not None and digest != ds.digest:
+            try:
+                manifest = await self._manifest_by_digest(
+                    dataset, digest, {"urls": "", "storage_options": ds.storage_options}
+                )
+            except StaleVersionError as exc:
+                return [("error", "StaleVersionError", str(exc))] * len(items)
+            ds = replace(ds, manifest=manifest, digest=digest)
         known = self._generation[dataset]
         if generation < known:
             retired = self._retired.spec(dataset, generation)
@@ -288,28 +434,31 @@ class CacheShard:
     ) -> list[Result]:
         """Serve a generation invalidated mid-epoch to the ranks still reading it.
 
-        Kept values are hits; anything else is read once from the source with
-        that generation's preprocess and not cached ("uncached"): the cache
+        Kept chunks are hits; anything else is built once more with that
+        generation's preprocess and not cached ("uncached"): the cache
         belongs to the new generation.
         """
-        loop = asyncio.get_running_loop()
         key = (ds.name, generation)
 
-        async def serve(url: str, etag: str, size: int) -> Result:
-            ref = self._retired.lookup(ds.name, generation, url, etag)
+        async def serve(chunk: str, version: str, size: int) -> Result:
+            ref = self._retired.lookup(ds.name, generation, chunk, version)
             if ref is not None:
                 self._stats.add(key, "hits")
                 return ("hit", ref)
-            try:
-                data = await ds.fetcher.fetch(url, size, etag)
-                self._stats.add(key, "remote_reads")
-                _, ref = await loop.run_in_executor(
-                    self._pool, self._process, ds, data, url
-                )
-            except ShardCacheError as exc:
-                self._stats.add(key, "errors")
-                return ("error", type(exc).__name__, str(exc))
+            ref, report = await self._build_chunk(ds, chunk, None)
+            self._count_build(key, report)
             self._stats.add(key, "misses")
+            room = (
+                self._policy.budget_bytes
+                - self._policy.used_bytes
+                - self._retired.nbytes
+            )
+            if not report["errors"] and report["nbytes"] <= room:
+                # Kept with the retired generation (first to go when a new
+                # entry needs room): the next rank asking reads no source.
+                self._retired.keep(
+                    ds.name, generation, chunk, ref, version, report["nbytes"]
+                )
             return ("uncached", ref)
 
         return list(await asyncio.gather(*(serve(*it) for it in items)))
@@ -381,7 +530,9 @@ class CacheShard:
         if handle is not None:
             try:
                 results = await asyncio.wait_for(
-                    handle.get.remote(ds.name, generation, items, forwarded=True),
+                    handle.get.remote(
+                        ds.name, generation, items, forwarded=True, digest=ds.digest
+                    ),
                     self.settings.fetch_timeout_s * (self.settings.fetch_retries + 1),
                 )
                 if results and results[0][0] == "unregistered":
@@ -389,12 +540,13 @@ class CacheShard:
                         "name": ds.name,
                         "protocol": ds.protocol,
                         "fingerprint": ds.fingerprint,
-                        "storage_options": ds.fetcher.storage_options,
+                        "storage_options": ds.storage_options,
                         "generation": generation,
+                        "manifest": ds.digest,
                     }
-                    await handle.register.remote(spec, ds.preprocess)
+                    await handle.register.remote(spec, ds.preprocess, ds.target)
                     results = await handle.get.remote(
-                        ds.name, generation, items, forwarded=True
+                        ds.name, generation, items, forwarded=True, digest=ds.digest
                     )
             except Exception as exc:  # the owner died, hangs, or its node is gone
                 is_ray = type(exc).__module__.split(".")[0] == "ray"
@@ -425,90 +577,122 @@ class CacheShard:
             self._settle((ds.name, generation, url, etag), res)
 
     async def _load(self, ds: _Dataset, generation: int, item: Item) -> None:
-        url, etag, size = item
-        key = (ds.name, generation, url, etag)
-        started = time.perf_counter()
+        chunk, version, _ = item
+        key = (ds.name, generation, chunk, version)
+        base = self._table.get((ds.name, chunk))
         try:
-            data = await ds.fetcher.fetch(url, size, etag)
-            self._stats.add((ds.name, generation), "remote_reads")
-            self._stats.add((ds.name, generation), "bytes_read", len(data))
-            loop = asyncio.get_running_loop()
-            value, ref = await loop.run_in_executor(
-                self._pool, self._process, ds, data, url
-            )
-        except ShardCacheError as exc:
+            ref, report = await self._build_chunk(ds, chunk, base)
+        except ShardCacheError as exc:  # the whole chunk failed (e.g. mixed dtypes)
             self._stats.add((ds.name, generation), "errors")
-            await self._forget_claim(ds.name, generation, [url])
+            await self._forget_claim(ds.name, generation, [chunk])
             self._event(
                 "fetch_error",
                 ds.name,
-                key=url,
+                key=chunk,
                 error=type(exc).__name__,
                 message=str(exc),
             )
             self._settle(key, ("error", type(exc).__name__, str(exc)))
             return
-        self._stats.add(
-            (ds.name, generation),
-            "fetch_ms_total",
-            int((time.perf_counter() - started) * 1000),
-        )
-        meta = describe(value)
+        self._count_build((ds.name, generation), report)
+        if report["errors"]:
+            # Served with the failed rows marked, never cached: the next
+            # epoch retries them, and the rest of the chunk is not lost now.
+            row, (kind, message) = next(iter(report["errors"].items()))
+            await self._forget_claim(ds.name, generation, [chunk])
+            self._event("fetch_error", ds.name, key=chunk, error=kind, message=message)
+            self._settle(key, ("uncached", ref))
+            return
+        lo, hi = ds.manifest.layout.bounds(_chunk_index(chunk))
         admitted = self._generation[ds.name] == generation and self._admit(
-            ds.name, generation, url, etag, ref, meta, data
+            ds.name,
+            generation,
+            chunk,
+            _Cached(
+                ref,
+                version,
+                generation,
+                report["nbytes"],
+                ds.manifest.hashes[lo:hi].copy(),
+            ),
+            int(ds.manifest.sizes[lo:hi].sum()),
         )
         # "uncached" tells the reader not to hold on to the value: the budget is
-        # full (static policy, or an object larger than the whole budget).
+        # full (static policy, or a chunk larger than the whole budget).
         self._settle(key, ("fetched" if admitted else "uncached", ref))
 
-    def _process(self, ds: _Dataset, data: bytes, url: str) -> tuple[Any, Any]:
-        value = run_preprocess(ds.preprocess, data, url)
-        return value, self._put(value)
+    async def _build_chunk(
+        self, ds: _Dataset, chunk: str, base: _Cached | None
+    ) -> tuple[Any, dict[str, Any]]:
+        """Build one chunk, re-reading only the members that changed since ``base``."""
+        assert self._build is not None
+        index = _chunk_index(chunk)
+        layout = ds.manifest.layout
+        if not 0 <= index < len(layout):
+            raise ConfigError(
+                f"chunk {chunk!r} is not in dataset {ds.name!r} ({len(layout)} chunks); "
+                "the rank and the store read different listings. Call refresh()."
+            )
+        lo, hi = layout.bounds(index)
+        reuse: dict[int, int] = {}
+        if base is not None and len(base.hashes) == hi - lo:
+            changed = set(ds.manifest.changed_rows(lo, hi, base.hashes).tolist())
+            reuse = {r: r for r in range(hi - lo) if r not in changed}
+        req = BuildRequest(
+            ds.name,
+            ds.protocol,
+            ds.storage_options,
+            ds.manifest.members(lo, hi),
+            ds.preprocess,
+            ds.target,
+            base.ref if reuse and base is not None else None,
+            reuse,
+        )
+        return await self._build(req)
+
+    def _count_build(self, key: tuple[str, int], report: dict[str, Any]) -> None:
+        self._stats.add(key, "remote_reads", report["reads"])
+        self._stats.add(key, "bytes_read", report["bytes_read"])
+        self._stats.add(key, "fetch_ms_total", report["build_ms"])
+        self._stats.add(key, "errors", len(report["errors"]))
 
     def _admit(
-        self,
-        dataset: str,
-        generation: int,
-        url: str,
-        etag: str,
-        ref: Any,
-        meta: dict[str, Any],
-        data: bytes,
+        self, dataset: str, generation: int, chunk: str, value: _Cached, size: int
     ) -> bool:
         overflow = (
             self._policy.used_bytes
             + self._retired.nbytes
-            + meta["nbytes"]
+            + value.nbytes
             - self._policy.budget_bytes
         )
         if overflow > 0:
             self._retired.free(overflow)
-        admitted, evicted = self._policy.admit((dataset, url), meta["nbytes"])
+        admitted, evicted = self._policy.admit((dataset, chunk), value.nbytes)
         for victim in evicted:
             self._evict_local(victim)
         self._stats.add((dataset, generation), "evictions", len(evicted))
         if not admitted:
             self._stats.add((dataset, generation), "uncached")
             return False
-        self._table[(dataset, url)] = _Cached(ref, etag, generation, meta["nbytes"])
+        self._table[(dataset, chunk)] = value
         entry = {
-            "etag": etag,
-            "size": len(data),
-            "checksum": f"crc32:{zlib.crc32(data):08x}",
+            "etag": value.etag,
+            "size": size,
+            "samples": len(value.hashes),
             "owner": self.node_id,
             "generation": generation,
             "cached_at": time.time(),
-            **meta,
+            "nbytes": value.nbytes,
         }
-        evicted_urls: dict[str, list[str]] = defaultdict(list)
-        for ds, u in evicted:
-            evicted_urls[ds].append(u)
+        evicted_keys: dict[str, list[str]] = defaultdict(list)
+        for ds, k in evicted:
+            evicted_keys[ds].append(k)
         self._index_write(
             lambda idx: (
-                idx.record_entries(dataset, generation, {url: entry}),
+                idx.record_entries(dataset, generation, {chunk: entry}),
                 [
-                    idx.release(ds, self._generation[ds], us, self.me)
-                    for ds, us in evicted_urls.items()
+                    idx.release(ds, self._generation[ds], ks, self.me)
+                    for ds, ks in evicted_keys.items()
                 ],
             )
         )
@@ -559,18 +743,11 @@ class CacheShard:
             log.warning("ignoring malformed invalidation message")
             return
         if msg.get("paths"):
-            # Evict only the old version: a value fetched after the change
-            # (same URL, the new ETag) stays.
-            etags = msg.get("etags") or {}
-            paths = set(msg["paths"])
-            for k in [
-                k
-                for k, c in self._table.items()
-                if k[0] == dataset and k[1] in paths and c.etag != etags.get(k[1])
-            ]:
-                self._evict_local(k)
-        else:
-            self._advance(dataset, generation)
+            # Changed chunks stay as they are: every hit compares the version,
+            # so they are never served, and their unchanged members are
+            # copied into the rebuilt chunk instead of being read again.
+            return
+        self._advance(dataset, generation)
 
     def _listen_forever(self) -> None:
         """Pub/sub listener thread; reconnects and resyncs after Redis outages."""
@@ -669,6 +846,7 @@ class CacheShard:
             by_ds[(ds, c.generation)][url] = {
                 "etag": c.etag,
                 "nbytes": c.nbytes,
+                "samples": len(c.hashes),
                 "owner": self.node_id,
                 "generation": c.generation,
             }
@@ -686,6 +864,31 @@ def _ray_put(value: Any) -> Any:
     import ray
 
     return ray.put(value)
+
+
+def _ray_get(ref: Any) -> Any:
+    import ray
+
+    return ray.get(ref)
+
+
+def _chunk_index(chunk: str) -> int:
+    try:
+        return int(chunk[1:]) if chunk.startswith("c") else -1
+    except ValueError:
+        return -1
+
+
+def _build_workers(settings: ServiceSettings, node_id: str) -> int:
+    """Chunk builds in flight: the setting, else the node's CPUs."""
+    if settings.build_workers:
+        return settings.build_workers
+    import ray
+
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return max(1, int(node.get("Resources", {}).get("CPU", 1)))
+    return 1
 
 
 def _ray_peer(ns: str, node_id: str) -> Any:

@@ -1,21 +1,23 @@
-"""``shardcache warm``: fetch every object once, spread over the node stores."""
+"""``shardcache warm``: build every chunk once, spread over the node stores."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
+from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
 from shardcache.config import ClientConfig
 from shardcache.dataset import default_name
 from shardcache.embedded import attach_ray, local_redis_url
 from shardcache.errors import ShardUnavailable
 from shardcache.fingerprint import fingerprint
 from shardcache.index import RedisIndex
-from shardcache.sharding import assign_shards
-from shardcache.source import list_source
+from shardcache.manifest import Manifest, chunk_key
+from shardcache.sharding import assign_chunks
 from shardcache_server.cluster import ensure_stores
 from shardcache_server.preprocess import get_preprocessor
 from shardcache_server.settings import ServiceSettings
@@ -32,13 +34,15 @@ def warm_dataset(
     redis_url: str | None = None,
     namespace: str = "default",
     ray_address: str | None = None,
-    batch: int = 64,
+    batch: int = 8,
+    chunk_samples: int = DEFAULT_CHUNK_SAMPLES,
     console: Console | None = None,
 ) -> dict[str, Any]:
     """Warm ``url`` into the cluster cache; returns a summary.
 
-    Objects are spread over the nodes by the same rendezvous hashing the
-    sampler uses, so no single store holds the whole dataset.
+    Chunks are spread over the nodes by the same rendezvous hashing the
+    sampler uses, so no single store holds the whole dataset. ``batch`` is
+    the number of chunks per store call.
 
     Raises:
         ConfigError, SourceNotFound, EmptyDatasetError, IndexUnavailable,
@@ -52,31 +56,39 @@ def warm_dataset(
         redis_url=redis_url, namespace=namespace, ray_address=ray_address
     )
     redis_url = config.redis_url or local_redis_url()
-    manifest = list_source(url, storage_options)
     name = name or default_name(url)
-    index = RedisIndex.from_url(redis_url, namespace)
-    generation = index.register(
-        name, url, fingerprint(fn), len(manifest), sum(o.size for o in manifest.objects)
-    )
-    index.invalidate_changed(
-        name, generation, {o.url: o.etag for o in manifest.objects}
-    )
     attach_ray(config.ray_address)
     handles = ensure_stores(ServiceSettings(redis_url=redis_url, namespace=namespace))
     nodes = sorted(handles)
     if not nodes:
         raise ShardUnavailable("no alive Ray node to warm into.")
-    spec = {
+    spec: dict[str, Any] = {
         "name": name,
-        "protocol": manifest.protocol,
+        "urls": url,
+        "protocol": url.split("://", 1)[0] if "://" in url else "file",
         "storage_options": storage_options or {},
+        "chunk_bytes": DEFAULT_CHUNK_BYTES,
+        "chunk_samples": chunk_samples,
         "fingerprint": fingerprint(fn),
-        "generation": generation,
     }
-    ray.get([h.register.remote(spec, fn) for h in handles.values()])
-    shards = assign_shards([o.url for o in manifest.objects], len(nodes))
+    ref, digest = _unwrap(lambda: ray.get(handles[nodes[0]].manifest.remote(spec)))
+    manifest = Manifest.from_object(ray.get(ref))
+    index = RedisIndex.from_url(redis_url, namespace)
+    generation = index.register(
+        name, url, fingerprint(fn), len(manifest), manifest.total_bytes
+    )
+    spec.update(generation=generation, manifest=digest)
+    _unwrap(lambda: ray.get([h.register.remote(spec, fn) for h in handles.values()]))
+    layout = manifest.layout
+    versions = manifest.chunk_versions(layout)
+    sizes = layout.sizes()
+    shards = assign_chunks(sizes, len(nodes))
     counts = {"fetched": 0, "already_cached": 0, "errors": 0}
     first_error: tuple[str, str] | None = None
+    items = [
+        (chunk_key(c), f"{int(versions[c]):016x}", int(sizes[c]))
+        for c in range(len(layout))
+    ]
     with Progress(
         "[progress.description]{task.description}",
         BarColumn(),
@@ -86,27 +98,35 @@ def warm_dataset(
         transient=False,
     ) as progress:
         task = progress.add_task(f"warming {name}", total=len(manifest))
-        pending = []
+        pending: dict[Any, list[int]] = {}
+        assigned: set[int] = set()
         for node, shard in zip(nodes, shards, strict=False):
-            for i in range(0, len(shard), batch):
-                items = [
-                    (
-                        manifest.objects[j].url,
-                        manifest.objects[j].etag,
-                        manifest.objects[j].size,
-                    )
-                    for j in shard[i : i + batch]
-                ]
-                pending.append(handles[node].get.remote(name, generation, items))
+            # A chunk split between two shards is warmed once, by the first.
+            chunks = [
+                c
+                for c in np.unique(layout.chunk_of(shard)).tolist()
+                if c not in assigned
+            ]
+            assigned.update(chunks)
+            for i in range(0, len(chunks), batch):
+                group = chunks[i : i + batch]
+                call = handles[node].get.remote(
+                    name, generation, [items[c] for c in group], digest=digest
+                )
+                pending[call] = group
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            for res in ray.get(done[0]):
+            done, _ = ray.wait(list(pending), num_returns=1)
+            group = pending.pop(done[0])
+            for c, res in zip(group, ray.get(done[0]), strict=True):
+                n = int(sizes[c])
                 if res[0] == "error":
-                    counts["errors"] += 1
+                    counts["errors"] += n
                     first_error = first_error or (res[1], res[2])
+                elif res[0] in ("fetched", "uncached"):
+                    counts["fetched"] += n
                 else:
-                    counts["fetched" if res[0] == "fetched" else "already_cached"] += 1
-                progress.advance(task)
+                    counts["already_cached"] += n
+                progress.advance(task, n)
     if first_error is not None:
         from shardcache.client import raise_item_error
 
@@ -114,8 +134,25 @@ def warm_dataset(
     return {
         "dataset": name,
         "generation": generation,
+        "digest": digest,
+        "items": items,
         "objects": len(manifest),
-        "bytes": sum(o.size for o in manifest.objects),
+        "chunks": len(layout),
+        "bytes": manifest.total_bytes,
         "seconds": time.perf_counter() - started,
         **counts,
     }
+
+
+def _unwrap(call: Any) -> Any:
+    """Run a Ray call; a ShardCacheError a store raised comes out as itself."""
+    import ray
+
+    from shardcache.errors import ShardCacheError
+
+    try:
+        return call()
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, ShardCacheError):
+            raise exc.cause from None
+        raise

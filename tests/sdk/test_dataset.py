@@ -70,7 +70,7 @@ def test_dataset_invalidate_refetches_and_serves_new_content(
     gen = ds.invalidate()
     assert gen == 2
     assert [bytes(ds[i].numpy()) for i in (0, 1)] == first[:2]
-    assert s3.total_gets == 3  # the new generation re-fetches
+    assert s3.total_gets == 1 + 6  # the new generation re-builds the (one) chunk
 
 
 def _wait_for_store_generation(namespace, name, generation, timeout_s=10.0):
@@ -96,7 +96,8 @@ def test_dataset_invalidation_mid_epoch_takes_effect_per_consistency_mode(
     payload = _objects(s3fs_client, bucket)
     # Hold nothing on the rank, so every batch really asks the store.
     monkeypatch.setenv("SHARDCACHE_HOLD_BYTES", "0")
-    ds = _ds(s3, bucket, redis_url, namespace, consistency=consistency)
+    # One object per chunk: the counts below are per object.
+    ds = _ds(s3, bucket, redis_url, namespace, consistency=consistency, chunk_samples=1)
     loader = DataLoader(ds, batch_size=4, sampler=ds.sampler, collate_fn=list)
     ds.set_epoch(0)
     assert len([t for b in loader for t in b]) == 24
@@ -260,10 +261,11 @@ def test_dataset_static_cache_at_half_the_dataset_keeps_hit_rate_at_half(
     ray_cluster, s3, s3fs_client, bucket, redis_url, namespace, monkeypatch
 ):
     # The stores take their budget from the settings of the process that starts them.
-    monkeypatch.setenv("SHARDCACHE_CACHE_BYTES", "10000")
+    # 20 one-object chunks of 1,000 B (+3 B of chunk metadata); room for 10.
+    monkeypatch.setenv("SHARDCACHE_CACHE_BYTES", str(10 * 1003))
     monkeypatch.setenv("SHARDCACHE_EVICTION", "static")
     s3fs_client.pipe({f"{bucket}/d/{i:03d}.bin": bytes([i]) * 1000 for i in range(20)})
-    ds = _ds(s3, bucket, redis_url, namespace, shuffle=False)
+    ds = _ds(s3, bucket, redis_url, namespace, shuffle=False, chunk_samples=1)
     s3.reset_counts()
     for epoch in range(3):
         ds.set_epoch(epoch)

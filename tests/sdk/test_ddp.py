@@ -42,6 +42,7 @@ def train_rank(
             namespace=namespace,
             shuffle=shuffle,
             seed=11,
+            chunk_samples=5,  # 8 chunks: whole chunks per rank
         )
         loader = DataLoader(ds, batch_size=4, sampler=ds.sampler, collate_fn=list)
         epochs = []

@@ -16,14 +16,13 @@ def test_list_source_prefix_is_sorted_with_sizes_and_etags(s3, s3fs_client, buck
     )
     s3.reset_counts()
     manifest = list_source(f"s3://{bucket}/train/", s3.storage_options())
-    assert [o.url for o in manifest.objects] == [
+    assert manifest.urls() == [
         f"s3://{bucket}/train/a.bin",
         f"s3://{bucket}/train/b.bin",
     ]
-    assert [o.size for o in manifest.objects] == [1, 2]
-    assert all(
-        len(o.etag) == 32 for o in manifest.objects
-    )  # S3 ETag = MD5 for simple PUTs
+    assert manifest.sizes.tolist() == [1, 2]
+    # S3 ETag = MD5 for simple PUTs
+    assert all(len(manifest.etag(i)) == 32 for i in range(len(manifest)))
     assert s3.total_gets == 0  # one listing, no per-object GET or HEAD
 
 
@@ -39,7 +38,7 @@ def test_list_source_glob_and_explicit_list(s3, s3fs_client, bucket):
     assert len(by_glob) == 3
     urls = [f"s3://{bucket}/d/3.txt", f"s3://{bucket}/d/1.txt"]
     by_list = list_source(urls, s3.storage_options())
-    assert [o.url for o in by_list.objects] == sorted(urls)
+    assert by_list.urls() == sorted(urls)
 
 
 def test_list_source_missing_bucket_names_url_and_fix(s3):

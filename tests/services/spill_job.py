@@ -47,6 +47,9 @@ def main(redis_url: str, endpoint: str, bucket: str, spill_dir: str) -> None:
             redis_url=redis_url,
             namespace=os.environ["SHARDCACHE_NAMESPACE"],
             shuffle=False,
+            # chunks are cut by source bytes; this preprocess expands 1 KiB to
+            # 4 MiB, so one object per chunk keeps each Ray object at 4 MiB
+            chunk_samples=1,
         )
         wrong = 0
         for epoch in range(2):

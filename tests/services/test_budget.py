@@ -11,7 +11,7 @@ from shardcache_server.emulator import FaultPlan
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.shard import CacheShard
 
-from helpers import register_dataset
+from helpers import local_build, register_dataset
 
 RATE, BURST = 20.0, 5
 
@@ -26,7 +26,14 @@ def _shards(redis_url, ns, **settings):
         **settings,
     )
     return [
-        CacheShard(cfg, node, put=lambda v: v, peer=lambda n: None)
+        CacheShard(
+            cfg,
+            node,
+            put=lambda v: v,
+            get=lambda v: v,
+            peer=lambda n: None,
+            build=local_build(cfg),
+        )  # fmt: skip
         for node in ("a", "b")
     ]
 
@@ -78,5 +85,5 @@ def test_budget_halves_rate_on_503_slowdown(s3, s3fs_client, bucket, redis_url):
 
     out = asyncio.run(scenario())
     assert all(r[0] == "fetched" for r in out)
-    rate = RequestBudget(index, RATE, BURST).current_rate(items[0][0])
+    rate = RequestBudget(index, RATE, BURST).current_rate(f"s3://{bucket}/d/000")
     assert rate < RATE  # throttled by the SlowDowns, shared through Redis

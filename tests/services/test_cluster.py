@@ -24,11 +24,13 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.slow
 
 
-def _dataset(s3, s3fs_client, bucket, redis_url, namespace, count):
+def _dataset(s3, s3fs_client, bucket, redis_url, namespace, count, chunk_samples=1):
     s3fs_client.pipe(
         {f"{bucket}/d/{i:03d}.bin": f"object-{i}".encode() * 10 for i in range(count)}
     )
-    return register_dataset(s3, f"s3://{bucket}/d/", redis_url, namespace)
+    return register_dataset(
+        s3, f"s3://{bucket}/d/", redis_url, namespace, chunk_samples=chunk_samples
+    )
 
 
 def _readers(redis_url, namespace, spec):
@@ -40,22 +42,29 @@ def _readers(redis_url, namespace, spec):
     return readers
 
 
+@pytest.mark.parametrize("chunk_samples", [1, 10])
 def test_pull_once_64_concurrent_readers_on_2_nodes_make_exactly_100_gets(
-    ray_cluster, node_ids, s3, s3fs_client, bucket, redis_url, namespace
+    ray_cluster, node_ids, s3, s3fs_client, bucket, redis_url, namespace, chunk_samples
 ):
-    index, spec, items = _dataset(s3, s3fs_client, bucket, redis_url, namespace, 100)
+    index, spec, items = _dataset(
+        s3, s3fs_client, bucket, redis_url, namespace, 100, chunk_samples
+    )
     readers = _readers(redis_url, namespace, spec)
     s3.reset_counts()
-    calls = [readers[i % 2].read.remote("ds", 1, items) for i in range(64)]
+    calls = [
+        readers[i % 2].read.remote("ds", 1, items, spec["manifest"]) for i in range(64)
+    ]
     outputs = ray.get(calls, timeout=300)
     assert s3.total_gets == 100  # counted at the S3 server
     assert all(count == 1 for count in s3.gets.values())
-    expected = [f"object-{i}".encode() * 10 for i in range(100)]
+    objects = [f"object-{i}".encode() * 10 for i in range(100)]
+    expected = [
+        b"".join(objects[c : c + chunk_samples]) for c in range(0, 100, chunk_samples)
+    ]
     assert all(values == expected for _, values in outputs)
     owners = index.owners("ds", 1)
-    assert len(owners) == 100 and {o.split("/")[0] for o in owners.values()} <= set(
-        node_ids
-    )
+    assert len(owners) == 100 // chunk_samples  # one claim per chunk
+    assert {o.split("/")[0] for o in owners.values()} <= set(node_ids)
 
 
 def test_second_job_in_new_process_reuses_cache_with_zero_reads(

@@ -21,7 +21,7 @@ from shardcache_server.dashboard import create_app
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.shard import CacheShard
 
-from helpers import register_dataset
+from helpers import local_build, register_dataset
 
 
 @pytest.fixture
@@ -36,7 +36,10 @@ def filled(s3, s3fs_client, bucket, redis_url):
     cfg = ServiceSettings(redis_url=redis_url, namespace=ns, stats_flush_s=0.05)
 
     async def run():
-        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        shard = CacheShard(
+            cfg, "node-a", put=lambda v: v, get=lambda v: v, peer=lambda n: None,
+            build=local_build(cfg),
+        )  # fmt: skip
         await shard.register(spec, raw_bytes)
         for _ in range(3):
             await shard.get("images", gen, items)

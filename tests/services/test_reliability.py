@@ -17,7 +17,7 @@ from shardcache.errors import IndexUnavailable
 from shardcache.index import RedisIndex
 from shardcache_server.cluster import store_for_node
 
-from helpers import Reader, register_dataset
+from helpers import Reader, cached_samples, register_dataset
 
 pytestmark = pytest.mark.slow
 
@@ -94,12 +94,12 @@ def test_redis_restart_reads_continue_and_index_recovers(
     index = RedisIndex.from_url(private_redis["url"], namespace)
     deadline = time.monotonic() + 20
     while (
-        len(index.entries(ds.name, ds.generation)) < 12 and time.monotonic() < deadline
+        cached_samples(index, ds.name, ds.generation) < 12
+        and time.monotonic() < deadline
     ):
         time.sleep(0.2)
-    assert (
-        len(index.entries(ds.name, ds.generation)) == 12
-    )  # stores re-recorded their entries
+    # stores re-recorded their entries
+    assert cached_samples(index, ds.name, ds.generation) == 12
     generation = index.invalidate(ds.name)  # taken into account right away
     assert [bytes(ds[i].numpy()) for i in range(12)] == expected
     assert ds.generation == generation and s3.total_gets == 12
@@ -163,6 +163,7 @@ def test_store_killed_for_good_mid_epoch_ranks_keep_reading(
         redis_url=redis_url,
         namespace=namespace,
         prefetch_batches=4,
+        chunk_samples=4,  # 10 chunks, so the kill lands between store calls
     )
     loader = DataLoader(ds, batch_size=4, sampler=ds.sampler, collate_fn=list)
     node = ray.get_runtime_context().get_node_id()
@@ -195,7 +196,7 @@ def test_store_killed_for_good_mid_epoch_ranks_keep_reading(
     assert sorted(s3.gets.values()) == [1] * 40
     owners = set(index.owners(ds.name, ds.generation).values())
     assert len(owners) == 1 and dead not in owners
-    assert len(index.entries(ds.name, ds.generation)) == 40
+    assert cached_samples(index, ds.name, ds.generation) == 40
     ds.close()
 
 

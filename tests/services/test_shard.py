@@ -1,4 +1,6 @@
-"""CacheShard logic without Ray: a real Redis and the S3 emulator, ``put`` is identity."""
+"""CacheShard logic without Ray: a real Redis and the S3 emulator; ``put``/``get``
+are identity and chunks are built in a thread (one object per chunk here, so
+per-object expectations read directly; see test_chunked_store.py for more)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from shardcache_server.emulator import FaultPlan
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.shard import CacheShard
 
-from helpers import register_dataset
+from helpers import local_build, register_dataset, view
 
 
 def _setup(
@@ -44,17 +46,36 @@ def _setup(
     return cfg, index, spec, items
 
 
+CHUNK_OVERHEAD = 3  # bytes of a one-member chunk besides its sample: failed flag, "{}"
+
+
+def _url(bucket, i):
+    return f"s3://{bucket}/d/{i:03d}.bin"
+
+
+def _shard(cfg, node="node-a"):
+    return CacheShard(
+        cfg, node, put=lambda v: v, get=lambda v: v, peer=lambda n: None,
+        build=local_build(cfg),
+    )  # fmt: skip
+
+
 def _run(coro):
     return asyncio.run(coro)
 
 
-def _get_once(cfg, spec, items):
-    """One store, one ``get`` of ``items`` under generation 1: (results, info)."""
+def _get_once(cfg, spec, items, after_register=None):
+    """One store, one ``get`` of ``items`` under generation 1: (results, info).
+
+    ``after_register`` changes the source after the store listed it.
+    """
 
     async def scenario():
-        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        shard = _shard(cfg)
         await shard.register(spec, raw_bytes)
-        out = await shard.get("ds", 1, items)
+        if after_register is not None:
+            after_register()
+        out = [view(r) for r in await shard.get("ds", 1, items)]
         info = await shard.info()
         await shard.close()
         return out, info
@@ -68,7 +89,7 @@ def test_shard_fetches_once_then_hits_and_records_index(
     cfg, index, spec, items = _setup(s3, s3fs_client, bucket, redis_url)
 
     async def scenario():
-        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        shard = _shard(cfg)
         await shard.register(spec, raw_bytes)
         # 16 concurrent requests for the same 10 keys share one fetch each.
         rounds = await asyncio.gather(*(shard.get("ds", 1, items) for _ in range(16)))
@@ -80,14 +101,15 @@ def test_shard_fetches_once_then_hits_and_records_index(
     rounds, again = _run(scenario())
     assert s3.total_gets == 10
     assert all(
-        np.array_equal(r[1], np.full(100, i, np.uint8)) for i, r in enumerate(rounds[0])
+        np.array_equal(view(r)[1], np.full(100, i, np.uint8))
+        for i, r in enumerate(rounds[0])
     )
     assert {r[0] for r in again} == {"hit"}
     entries = index.entries("ds", 1)
     assert len(entries) == 10
     e = entries[items[0][0]]
-    assert e["etag"] == items[0][1] and e["shape"] == [100] and e["dtype"] == "uint8"
-    assert e["owner"] == "node-a" and e["checksum"].startswith("crc32:")
+    assert e["etag"] == items[0][1] and e["samples"] == 1 and e["size"] == 100
+    assert e["owner"] == "node-a" and e["nbytes"] == 100 + CHUNK_OVERHEAD
     stats = index.stats("ds")
     assert stats.remote_reads == 10 and stats.hits >= 10
 
@@ -105,9 +127,9 @@ def test_shard_preprocess_error_names_key_and_spares_others(
     )
 
     async def scenario():
-        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        shard = _shard(cfg)
         await shard.register(spec, picky)
-        out = await shard.get("ds", 1, items)
+        out = [view(r) for r in await shard.get("ds", 1, items)]
         await asyncio.sleep(0.2)
         info = await shard.info()
         await shard.close()
@@ -116,8 +138,9 @@ def test_shard_preprocess_error_names_key_and_spares_others(
     out, info = _run(scenario())
     bad = out[3]
     assert bad[0] == "error" and bad[1] == "PreprocessError"
-    assert items[3][0] in bad[2] and "cannot decode" in bad[2]
+    assert _url(bucket, 3) in bad[2] and "cannot decode" in bad[2]
     assert all(r[0] == "fetched" for i, r in enumerate(out) if i != 3)
+    # the failed member's chunk is served (marked) but never cached
     assert info["entries"] == 9
     assert items[3][0] not in index.entries("ds", 1)
     assert any(
@@ -137,9 +160,9 @@ def test_shard_preprocess_returning_non_array_is_preprocess_error(
     )
 
     async def scenario():
-        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        shard = _shard(cfg)
         await shard.register(spec, bad)
-        out = await shard.get("ds", 1, items)
+        out = [view(r) for r in await shard.get("ds", 1, items)]
         await shard.close()
         return out
 
@@ -158,7 +181,7 @@ def test_shard_invalidation_over_pubsub_frees_memory(
     cfg, index, spec, items = _setup(s3, s3fs_client, bucket, redis_url)
 
     async def scenario():
-        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        shard = _shard(cfg)
         await shard.register(spec, raw_bytes)
         await shard.get("ds", 1, items)
         before = (await shard.info())["used_bytes"]
@@ -173,11 +196,11 @@ def test_shard_invalidation_over_pubsub_frees_memory(
         return before, after, retired
 
     before, after, retired = _run(scenario())
-    assert (
-        before == 1000 and after["used_bytes"] == 0 and after["generations"]["ds"] == 2
-    )
+    full = 10 * (100 + CHUNK_OVERHEAD)
+    assert before == full and after["used_bytes"] == 0
+    assert after["generations"]["ds"] == 2
     # Generation 1 left the budget but stays readable for ranks mid-epoch.
-    assert after["retired_bytes"] == 1000 and retired[0][0] == "hit"
+    assert after["retired_bytes"] == full and retired[0][0] == "hit"
 
 
 @pytest.mark.parametrize("policy,expected_hits", [("lru", 0), ("static", 5)])
@@ -187,11 +210,11 @@ def test_shard_eviction_hit_rate_under_cyclic_scan(
     # 10 objects of 100 B, budget 500 B, read in the same order every epoch:
     # LRU always evicts what the next read needs (0 hits); static keeps half.
     cfg, index, spec, items = _setup(
-        s3, s3fs_client, bucket, redis_url, cache_bytes=500, eviction=policy
+        s3, s3fs_client, bucket, redis_url, cache_bytes=5 * 103, eviction=policy
     )
 
     async def scenario():
-        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        shard = _shard(cfg)
         await shard.register(spec, raw_bytes)
         for it in items:
             await shard.get("ds", 1, [it])
@@ -203,7 +226,7 @@ def test_shard_eviction_hit_rate_under_cyclic_scan(
 
     warm, info = _run(scenario())
     assert warm.count("hit") == expected_hits
-    assert info["used_bytes"] <= 500
+    assert info["used_bytes"] <= 5 * 103
     assert len(index.entries("ds", 1)) == info["entries"]  # evictions update the index
 
 
@@ -212,9 +235,9 @@ def test_shard_retries_transient_503_then_succeeds(s3, s3fs_client, bucket, redi
     s3.set_faults(FaultPlan(error_rate=0.5, error_status=503, seed=1))
 
     async def scenario():
-        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        shard = _shard(cfg)
         await shard.register(spec, raw_bytes)
-        out = await shard.get("ds", 1, items)
+        out = [view(r) for r in await shard.get("ds", 1, items)]
         await shard.close()
         return out
 
@@ -231,7 +254,9 @@ def test_shard_truncated_object_is_detected_not_cached(
     s3.set_faults(FaultPlan(truncate_rate=1.0))
     (res,), info = _get_once(cfg, spec, items)
     assert (
-        res[0] == "error" and res[1] == "CorruptObjectError" and items[0][0] in res[2]
+        res[0] == "error"
+        and res[1] == "CorruptObjectError"
+        and _url(bucket, 0) in res[2]
     )
     assert info["entries"] == 0
 
@@ -240,8 +265,9 @@ def test_shard_object_deleted_upstream_is_source_not_found(
     s3, s3fs_client, bucket, redis_url
 ):
     cfg, _, spec, items = _setup(s3, s3fs_client, bucket, redis_url, count=1)
-    s3fs_client.rm(items[0][0])
-    (res,), _ = _get_once(cfg, spec, items)
+    (res,), _ = _get_once(
+        cfg, spec, items, after_register=lambda: s3fs_client.rm(_url(bucket, 0))
+    )
     assert res[:2] == ("error", "SourceNotFound")
 
 
@@ -249,11 +275,14 @@ def test_shard_object_changed_after_listing_is_stale_not_corrupt(
     s3, s3fs_client, bucket, redis_url
 ):
     cfg, _, spec, items = _setup(s3, s3fs_client, bucket, redis_url, count=2)
-    s3fs_client.pipe({items[1][0].removeprefix("s3://"): b"x" * 100})  # same size
-    (ok, changed), info = _get_once(cfg, spec, items)
+
+    def rewrite():  # same size, new bytes, after the listing
+        s3fs_client.pipe({_url(bucket, 1).removeprefix("s3://"): b"x" * 100})
+
+    (ok, changed), info = _get_once(cfg, spec, items, after_register=rewrite)
     assert ok[0] == "fetched"
     assert changed[:2] == ("error", "StaleVersionError")
-    assert items[1][0] in changed[2] and "refresh()" in changed[2]
+    assert _url(bucket, 1) in changed[2] and "refresh()" in changed[2]
     assert info["entries"] == 1  # the changed object was not cached
     assert s3.total_gets == 2  # not retried as if it were corruption
 
@@ -267,12 +296,12 @@ def test_shard_invalidated_generation_stays_readable_for_grace(
     )
 
     async def scenario():
-        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        shard = _shard(cfg)
         await shard.register(spec, raw_bytes)
         await shard.get("ds", 1, items[:6])  # 6 cached under generation 1
         new = index.invalidate("ds")
         await shard.get("ds", new, items[:1])  # the store moves to generation 2
-        old = await shard.get("ds", 1, items)  # a rank still mid-epoch on 1
+        old = [view(r) for r in await shard.get("ds", 1, items)]  # mid-epoch on 1
         info = await shard.info()
         await shard.close()
         return old, info
@@ -286,7 +315,9 @@ def test_shard_invalidated_generation_stays_readable_for_grace(
         )
         # 6 (gen 1) + 1 (gen 2) + 4 read once for gen 1 and not cached.
         assert s3.total_gets == 11
-        assert info["retired_generations"] == 1 and info["retired_bytes"] == 600
+        assert info["retired_generations"] == 1
+        # the 6 retired, plus the 4 built for generation 1 and kept with it
+        assert info["retired_bytes"] == 10 * (100 + CHUNK_OVERHEAD)
         assert info["used_bytes"] + info["retired_bytes"] <= info["budget_bytes"]
     else:
         assert {r[0] for r in old} == {"error"}
@@ -298,11 +329,11 @@ def test_shard_retired_values_give_way_to_new_entries(
     s3, s3fs_client, bucket, redis_url
 ):
     cfg, index, spec, items = _setup(
-        s3, s3fs_client, bucket, redis_url, cache_bytes=1000
+        s3, s3fs_client, bucket, redis_url, cache_bytes=10 * (100 + CHUNK_OVERHEAD)
     )
 
     async def scenario():
-        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        shard = _shard(cfg)
         await shard.register(spec, raw_bytes)
         await shard.get("ds", 1, items)  # 10 x 100 bytes: the budget is full
         new = index.invalidate("ds")
@@ -312,7 +343,8 @@ def test_shard_retired_values_give_way_to_new_entries(
         return info
 
     info = _run(scenario())
-    assert info["used_bytes"] == 400 and info["retired_bytes"] == 600
+    assert info["used_bytes"] == 4 * (100 + CHUNK_OVERHEAD)
+    assert info["retired_bytes"] == 6 * (100 + CHUNK_OVERHEAD)
 
 
 def test_shard_survives_mixed_source_faults_with_bounded_retries(
@@ -331,19 +363,20 @@ def test_shard_survives_mixed_source_faults_with_bounded_retries(
     ]
 
     async def scenario():
-        shard = CacheShard(cfg, "node-a", put=lambda v: v, peer=lambda n: None)
+        shard = _shard(cfg)
         await shard.register(spec, raw_bytes)
         out = []
         for plan, chunk in zip(faults, (items[i::4] for i in range(4)), strict=True):
             s3.set_faults(plan)
-            out += zip(chunk, await shard.get("ds", 1, chunk), strict=True)
+            got = [view(r) for r in await shard.get("ds", 1, chunk)]
+            out += zip(chunk, got, strict=True)
         await shard.close()
         return out
 
     out = _run(scenario())
     assert [res[0] for _, res in out] == ["fetched"] * len(items)
-    for (url, _etag, _size), res in out:
-        i = int(url.rsplit("/", 1)[-1].split(".")[0])
+    for (key, _version, _size), res in out:
+        i = int(key[1:])  # one object per chunk: chunk i is object i
         assert bytes(res[1]) == bytes([i]) * 100
     # Faults cost retries, bounded by 1 + fetch_retries attempts per object
     # (twice that for dropped connections, which aiohttp re-sends once).
@@ -369,7 +402,7 @@ def test_shard_persistent_source_fault_is_remote_fetch_error_naming_key(
     s3.set_faults(plan)
     (res,), info = _get_once(cfg, spec, items)
     assert res[:2] == ("error", "RemoteFetchError")
-    assert items[0][0] in res[2] and "after 3 attempts" in res[2]
+    assert _url(bucket, 0) in res[2] and "after 3 attempts" in res[2]
     # 1 + fetch_retries attempts, then it gives up. aiohttp re-sends an
     # idempotent GET once when the server drops the connection (RFC 9112
     # 9.3.1), so a dropped attempt reaches the server twice.

@@ -62,7 +62,9 @@ def test_soak_index_and_stores_agree_after_invalidations(
         problems = check_agreement(index, handles, "soak")
     assert problems == []
     infos = ray.get([h.info.remote() for h in handles.values()])
-    assert sum(i["bytes_by_dataset"].get("soak", 0) for i in infos) == OBJECTS * 64
+    held = sum(i["bytes_by_dataset"].get("soak", 0) for i in infos)
+    # every sample once, plus each chunk's row flags (1 B a sample) and errors
+    assert OBJECTS * 64 < held <= OBJECTS * 66
     # Memory is back within budget, counting the retired generations that
     # ranks mid-epoch could still have been reading.
     assert all(i["used_bytes"] + i["retired_bytes"] <= i["budget_bytes"] for i in infos)

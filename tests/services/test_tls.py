@@ -16,6 +16,8 @@ from shardcache.embedded import find_redis_server, free_port
 from shardcache.errors import IndexUnavailable
 from shardcache.index import RedisIndex
 
+from helpers import cached_samples
+
 pytestmark = pytest.mark.slow
 PASSWORD = "tls-secret-pw"
 
@@ -96,7 +98,7 @@ def test_rediss_end_to_end_sdk_stores_and_index(
     while index.stats(ds.name).remote_reads < 16:
         assert time.monotonic() < deadline, "store stats never reached Redis"
         time.sleep(0.2)
-    assert len(index.entries(ds.name, ds.generation)) == 16
+    assert cached_samples(index, ds.name, ds.generation) == 16
     ds.close()
 
 

@@ -1,0 +1,298 @@
+"""Chunks: runs of consecutive samples cached, stored and read as one unit.
+
+A chunk is one Ray object: a dict of numpy columns, so a reader maps it
+zero-copy and a batch is gathered with a few vectorised copies, never one
+Python object per sample.
+
+Column layout of a chunk of ``n`` samples (``f`` is a field: ``"_"`` for
+samples that are one array, the dict key for dict samples):
+
+=====================  ===========================================================
+column                 content
+=====================  ===========================================================
+``f``                  ``(n, *shape)`` when every sample of ``f`` has one shape
+``f/data``             otherwise: the samples' elements concatenated (1-D)
+``f/offsets``          ``(n + 1,)`` int64 element offsets into ``f/data``
+``f/shapes``           ``(n, ndim)`` int64 shape of each sample
+``__failed__``         ``(n,)`` bool, set where the member could not be built
+``__errors__``         uint8 JSON ``{row: [error class, message]}``
+``__target__``         ``(n, ...)`` the ``target(url)`` labels, when one is given
+=====================  ===========================================================
+
+A failed member leaves a zero row (stacked) or an empty one (ragged); the
+rest of the chunk is served, and reading the failed row raises its error.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shardcache.errors import CollateError, PreprocessError
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_CHUNK_SAMPLES",
+    "PLAIN_FIELD",
+    "Chunk",
+    "ChunkLayout",
+    "build_chunk",
+    "plan_chunks",
+]
+
+DEFAULT_CHUNK_BYTES = 4 * 2**20  # source bytes per chunk: a few MB, as Mosaic/LitData
+DEFAULT_CHUNK_SAMPLES = 4096  # bounds chunks of tiny samples (tokens, 100 B rows)
+PLAIN_FIELD = "_"  # the field name of samples that are a single array
+FAILED = "__failed__"
+ERRORS = "__errors__"
+TARGET = "__target__"
+
+Value = Any  # np.ndarray | dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where each chunk starts: ``starts[c]`` to ``starts[c + 1]`` (exclusive).
+
+    >>> layout = ChunkLayout(np.array([0, 3, 5]))
+    >>> len(layout), layout.sizes().tolist(), layout.chunk_of(np.array([0, 2, 3, 4])).tolist()
+    (2, [3, 2], [0, 0, 1, 1])
+    """
+
+    starts: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.starts[-1])
+
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.starts)
+
+    def bounds(self, chunk: int) -> tuple[int, int]:
+        return int(self.starts[chunk]), int(self.starts[chunk + 1])
+
+    def chunk_of(self, indices: np.ndarray) -> np.ndarray:
+        """The chunk of every sample index (vectorised)."""
+        return np.searchsorted(self.starts, indices, side="right") - 1
+
+
+def plan_chunks(
+    sizes: np.ndarray,
+    max_bytes: int = DEFAULT_CHUNK_BYTES,
+    max_samples: int = DEFAULT_CHUNK_SAMPLES,
+) -> ChunkLayout:
+    """Cut consecutive samples into chunks of at most ``max_samples`` samples
+    and about ``max_bytes`` source bytes (a chunk closes after the sample
+    that crosses a multiple of ``max_bytes``). Deterministic and vectorised:
+    every process that plans the same listing gets the same chunks.
+
+    >>> plan_chunks(np.array([4, 4, 4, 4, 4]), max_bytes=8, max_samples=10).starts.tolist()
+    [0, 2, 4, 5]
+    >>> plan_chunks(np.ones(5, dtype=np.int64), max_bytes=100, max_samples=2).starts.tolist()
+    [0, 2, 4, 5]
+    """
+    n = len(sizes)
+    if n == 0:
+        return ChunkLayout(np.zeros(1, dtype=np.int64))
+    before = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)[:-1]))
+    bucket = before // max(int(max_bytes), 1)
+    cuts = np.flatnonzero(np.diff(bucket)) + 1  # a new byte bucket starts a chunk
+    starts = np.concatenate(([0], cuts, [n])).astype(np.int64)
+    # Split runs longer than max_samples into equal-count pieces.
+    pieces = []
+    for lo, hi in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True):
+        pieces.append(np.arange(lo, hi, max(int(max_samples), 1), dtype=np.int64))
+    return ChunkLayout(np.concatenate([*pieces, np.array([n], dtype=np.int64)]))
+
+
+# -- building (cluster side) --------------------------------------------------------
+def _fields(value: Value) -> dict[str, np.ndarray]:
+    if isinstance(value, dict):
+        return value
+    return {PLAIN_FIELD: value}
+
+
+def build_chunk(
+    samples: Sequence[Value | None],
+    errors: dict[int, tuple[str, str]] | None = None,
+    names: Sequence[str] | None = None,
+    targets: Sequence[Any] | None = None,
+) -> dict[str, np.ndarray]:
+    """Lay preprocessed samples out as columns; ``None`` marks a failed member.
+
+    Raises:
+        PreprocessError: the samples disagree on their fields, dtypes or number
+            of dimensions (the message names two members that differ).
+
+    >>> cols = build_chunk([np.zeros(2), np.ones(2)])
+    >>> cols["_"].shape
+    (2, 2)
+    >>> sorted(build_chunk([np.zeros(2), np.ones(3)]))
+    ['_/data', '_/offsets', '_/shapes', '__errors__', '__failed__']
+    """
+    n = len(samples)
+    names = names or [f"#{i}" for i in range(n)]
+    ok = [i for i, s in enumerate(samples) if s is not None]
+    cols: dict[str, np.ndarray] = {}
+    failed = np.array([s is None for s in samples], dtype=bool)
+    if ok:
+        first = _fields(samples[ok[0]])
+        for i in ok:
+            fields = _fields(samples[i])
+            if fields.keys() != first.keys():
+                raise PreprocessError(
+                    f"preprocess returned fields {sorted(fields)} for {names[i]!r} "
+                    f"but {sorted(first)} for {names[ok[0]]!r}; every sample of a "
+                    "dataset must have the same fields."
+                )
+        for field, ref in first.items():
+            arrays = [_fields(samples[i])[field] for i in ok]
+            cols.update(_field_columns(field, arrays, ok, n, ref, names))
+    cols[FAILED] = failed
+    if targets is not None:
+        labels = np.asarray(targets)
+        if labels.dtype.hasobject or labels.dtype.kind in "US":
+            raise PreprocessError(
+                f"target returned {type(targets[0]).__name__} for {names[0]!r}; it must "
+                "return a number or a numeric array (the label, e.g. a class index)."
+            )
+        cols[TARGET] = labels
+    cols[ERRORS] = np.frombuffer(
+        json.dumps({str(k): list(v) for k, v in (errors or {}).items()}).encode(),
+        dtype=np.uint8,
+    ).copy()
+    return cols
+
+
+def _field_columns(
+    field: str,
+    arrays: list[np.ndarray],
+    rows: list[int],
+    n: int,
+    ref: np.ndarray,
+    names: Sequence[str],
+) -> dict[str, np.ndarray]:
+    for a, row in zip(arrays, rows, strict=True):
+        if a.dtype != ref.dtype or a.ndim != ref.ndim:
+            where = "" if field == PLAIN_FIELD else f" field {field!r}"
+            raise PreprocessError(
+                f"preprocess returned{where} {a.dtype}{list(a.shape)} for "
+                f"{names[row]!r} but {ref.dtype}{list(ref.shape)} for {names[rows[0]]!r}; "
+                "samples must share dtype and number of dimensions (cast in preprocess)."
+            )
+    if all(a.shape == ref.shape for a in arrays):
+        out = np.zeros((n, *ref.shape), dtype=ref.dtype)
+        out[rows] = np.stack(arrays) if arrays else out[rows]
+        return {field: out}
+    shapes = np.zeros((n, ref.ndim), dtype=np.int64)
+    lengths = np.zeros(n, dtype=np.int64)
+    for a, row in zip(arrays, rows, strict=True):
+        shapes[row] = a.shape
+        lengths[row] = a.size
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    data = np.concatenate([a.reshape(-1) for a in arrays]).astype(ref.dtype, copy=False)
+    return {
+        f"{field}/data": data,
+        f"{field}/offsets": offsets,
+        f"{field}/shapes": shapes,
+    }
+
+
+# -- reading (rank side) --------------------------------------------------------------
+class Chunk:
+    """A read-only view of one chunk's columns (zero-copy from the object store).
+
+    >>> c = Chunk(build_chunk([np.arange(3), np.arange(3) + 10]))
+    >>> len(c), c.sample(1).tolist(), c.fields
+    (2, [10, 11, 12], ['_'])
+    """
+
+    def __init__(self, columns: dict[str, np.ndarray]):
+        self.columns = columns
+        self.failed = columns[FAILED]
+        self.has_failures = bool(self.failed.any())
+        names = {k.split("/", 1)[0] for k in columns if not k.startswith("__")}
+        self.fields = sorted(names)
+        self.is_plain = self.fields == [PLAIN_FIELD]
+        self.stacked = {f: columns[f] for f in self.fields if f in columns}
+        self.nbytes = int(sum(v.nbytes for v in columns.values()))
+        self.targets = columns.get(TARGET)
+
+    def __len__(self) -> int:
+        return len(self.failed)
+
+    def error(self, row: int) -> tuple[str, str] | None:
+        """The ``(error class, message)`` of a failed row, else ``None``."""
+        if not self.failed[row]:
+            return None
+        errors = json.loads(bytes(self.columns[ERRORS]).decode() or "{}")
+        kind, message = errors.get(str(row), ("RemoteFetchError", "member failed"))
+        return str(kind), str(message)
+
+    def field(self, field: str, row: int) -> np.ndarray:
+        stacked = self.stacked.get(field)
+        if stacked is not None:
+            return stacked[row, ...]  # a view even for 0-d samples (not a scalar)
+        offsets = self.columns[f"{field}/offsets"]
+        shape = tuple(int(s) for s in self.columns[f"{field}/shapes"][row])
+        data = self.columns[f"{field}/data"]
+        return data[int(offsets[row]) : int(offsets[row + 1])].reshape(shape)
+
+    def sample(self, row: int) -> Value:
+        """One sample as zero-copy numpy views (a dict for dict samples)."""
+        if self.is_plain:
+            return self.field(PLAIN_FIELD, row)
+        return {f: self.field(f, row) for f in self.fields}
+
+
+def gather(
+    chunks: Sequence[Chunk],
+    rows: Sequence[int],
+    field: str,
+    out: np.ndarray,
+) -> None:
+    """Copy ``field`` of ``chunks[j]`` row ``rows[j]`` into ``out[j]`` for every j.
+
+    One row copy per sample: a memcpy plus ~0.4 us of numpy dispatch
+    (measured on this project's 2-core machine at 4 KB rows), cheaper than
+    grouping rows by chunk when a shuffled batch touches as many chunks as
+    it has samples.
+    """
+    for j, (chunk, row) in enumerate(zip(chunks, rows, strict=True)):
+        stacked = chunk.stacked.get(field)
+        out[j] = stacked[row] if stacked is not None else chunk.field(field, row)
+
+
+def batch_shape(chunks: Sequence[Chunk], rows: Sequence[int], field: str) -> tuple:
+    """The per-sample shape every sample of the batch shares, or CollateError.
+
+    Stacked chunks are checked once each; only ragged chunks look at rows.
+    """
+    shapes: set[tuple[int, ...]] = set()
+    distinct = {id(c): c for c in chunks}
+    for chunk in distinct.values():
+        stacked = chunk.stacked.get(field)
+        if stacked is not None:
+            shapes.add(tuple(stacked.shape[1:]))
+        else:
+            shapes.update(
+                tuple(c.field(field, r).shape)
+                for c, r in zip(chunks, rows, strict=True)
+                if c is chunk
+            )
+    if len(shapes) > 1:
+        where = "samples" if field == PLAIN_FIELD else f"field {field!r} of samples"
+        a, b = sorted(shapes)[:2]
+        raise CollateError(
+            f"{where} in one batch have shapes {list(a)} and {list(b)}; a batch "
+            "tensor needs one shape. Resize or pad in preprocess, or read samples "
+            "one at a time with ds[i]."
+        )
+    return shapes.pop()

@@ -1,0 +1,108 @@
+"""Collated batches of one rank's epoch, optionally pinned and copied to a GPU ahead.
+
+``BatchLoader`` is what ``DistributedCachedDataset.loader()`` returns: it
+walks the sampler's order in batches and gathers each batch straight into
+one tensor per field (no per-sample tensors, no second copy by a collate
+function). With ``device`` set, the next batch is copied host-to-device on
+a side CUDA stream while the current step runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardcache.errors import ConfigError
+
+if TYPE_CHECKING:
+    from shardcache.dataset import DistributedCachedDataset
+
+__all__ = ["BatchLoader"]
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return tuple(_to_device(v, device) for v in batch)
+
+
+class BatchLoader:
+    """Iterates this rank's batches for the dataset's current epoch.
+
+    Args:
+        dataset: the dataset (its sampler gives the order, resume included).
+        batch_size: samples per batch.
+        drop_last: drop a last, smaller batch. Defaults to ``False``.
+        pin_memory: gather into page-locked memory (needs CUDA). Defaults to ``False``.
+        device: a CUDA device to copy each batch to, one batch ahead on a
+            side stream (implies ``pin_memory``). Defaults to ``None``.
+
+    Raises:
+        ConfigError: ``batch_size`` < 1, or pinning / a CUDA device asked for
+            on a machine without CUDA.
+    """
+
+    def __init__(
+        self,
+        dataset: DistributedCachedDataset,
+        batch_size: int,
+        *,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+        device: str | torch.device | None = None,
+    ):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(
+                f"batch_size must be an integer >= 1, got {batch_size!r}."
+            )
+        self.device = torch.device(device) if device is not None else None
+        if self.device is not None and self.device.type != "cuda":
+            raise ConfigError(
+                f"device must be a CUDA device (e.g. 'cuda:0'), got {str(self.device)!r}; "
+                "batches are already on the CPU without it."
+            )
+        if (pin_memory or self.device is not None) and not torch.cuda.is_available():
+            raise ConfigError(
+                "pin_memory=True and device= need CUDA, and this machine has none "
+                "(torch.cuda.is_available() is False). Leave them unset on a CPU host."
+            )
+        self.dataset = dataset
+        self.batch_size, self.drop_last = batch_size, drop_last
+        self.pin_memory = pin_memory or self.device is not None
+
+    def __len__(self) -> int:
+        n = len(self.dataset.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def _host_batches(self) -> Iterator[Any]:
+        for order in self.dataset.epoch_indices():
+            stop = (
+                len(order) - len(order) % self.batch_size
+                if self.drop_last
+                else len(order)
+            )
+            for lo in range(0, stop, self.batch_size):
+                yield self.dataset.collated(
+                    order[lo : lo + self.batch_size], self.pin_memory
+                )
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.device is None:
+            yield from self._host_batches()
+            return
+        # Copy batch k+1 on a side stream while the caller computes on batch k.
+        stream = torch.cuda.Stream(device=self.device)
+        ahead = None
+        for host in self._host_batches():
+            with torch.cuda.stream(stream):
+                copied = _to_device(host, self.device)
+            if ahead is not None:
+                yield ahead
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            ahead = copied
+        if ahead is not None:
+            yield ahead

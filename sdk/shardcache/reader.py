@@ -1,0 +1,364 @@
+"""A rank's view of the cache: the chunks it holds, resolves and prefetches.
+
+Per batch the reader maps sample indices to ``(chunk, row)`` with one
+vectorised search, makes sure the chunks are held (a warm batch: none to
+fetch, no Ray or Redis call), and copies rows into one preallocated batch
+tensor. A background thread resolves the chunks the coming batches need, in
+the order they are first needed, several store calls in flight, and maps
+them (``ray.get``) off the training loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardcache import errors
+from shardcache.chunks import PLAIN_FIELD, Chunk, batch_shape, gather
+from shardcache.client import CacheClient
+from shardcache.errors import BackendError, ShardCacheError, StaleVersionError
+from shardcache.manifest import Manifest, chunk_key
+
+__all__ = ["ChunkReader"]
+
+PREFETCH_GROUP = 4  # chunks per store call while prefetching
+PREFETCH_DEPTH = 4  # store calls in flight per rank
+TRANSIENT_KEPT = (
+    32  # chunks not held (store did not cache them) kept for the next batches
+)
+ORIGINS = ("local", "peer", "source")  # where a delivered sample came from
+
+
+def _origin(status: str) -> str:
+    if status in ("fetched", "uncached"):
+        return "source"
+    return "peer" if status == "remote-hit" else "local"
+
+
+class ChunkReader:
+    """Holds, resolves and prefetches one process's chunks of one dataset.
+
+    Args:
+        client: this process's cache client (index + node store).
+        name: the dataset. manifest: the listing the rank reads.
+        digest: that listing's digest. hold_bytes: chunk bytes kept mapped.
+        timeout_s: how long one resolution may wait.
+    """
+
+    def __init__(
+        self,
+        client: CacheClient,
+        name: str,
+        manifest: Manifest,
+        digest: str,
+        hold_bytes: int,
+        timeout_s: float,
+    ):
+        self.client, self.name = client, name
+        self.timeout_s, self.hold_bytes = timeout_s, hold_bytes
+        self.set_manifest(manifest, digest)
+        self.generation = -1
+        self._lock = threading.Lock()
+        self._held: dict[int, Chunk] = {}
+        self._held_bytes = 0
+        self._transient: OrderedDict[int, Chunk] = OrderedDict()
+        self._transient_bytes = 0
+        self._origin: dict[int, str] = {}
+        self._pending: dict[int, Future[None]] = {}
+        self.saw_uncached = False  # the stores could not cache a chunk this generation
+        self._background: ThreadPoolExecutor | None = None
+        self.counts = {o: 0 for o in ORIGINS} | {f"{o}_bytes": 0 for o in ORIGINS}
+
+    # -- listing and generation ---------------------------------------------------------
+    def set_manifest(self, manifest: Manifest, digest: str) -> None:
+        self.manifest, self.digest = manifest, digest
+        self.layout = manifest.layout
+        self.versions = manifest.chunk_versions(self.layout)
+
+    def drop_chunks(self, chunks: Sequence[int]) -> None:
+        """Forget held chunks (their members changed upstream)."""
+        with self._lock:
+            for c in chunks:
+                chunk = self._held.pop(int(c), None)
+                if chunk is not None:
+                    self._held_bytes -= chunk.nbytes
+                dropped = self._transient.pop(int(c), None)
+                if dropped is not None:
+                    self._transient_bytes -= dropped.nbytes
+
+    def use_generation(self, generation: int) -> None:
+        """Switch to ``generation``; what was held belongs to the old one."""
+        if generation == self.generation:
+            return
+        with self._lock:
+            self._held.clear()
+            self._transient.clear()
+            self._transient_bytes = 0
+            self._held_bytes = 0
+            self._origin.clear()
+            self._pending.clear()
+            self.saw_uncached = False
+            self.generation = generation
+
+    def new_epoch(self) -> None:
+        """Held chunks are local from now on: their samples count as local hits.
+
+        Chunks kept only for the coming batches (the stores did not cache
+        them) are dropped: the next epoch asks the stores again, so their
+        eviction policy, not this process, decides what stays.
+        """
+        with self._lock:
+            self._origin = {c: "local" for c in self._held}
+            self._transient.clear()
+            self._transient_bytes = 0
+            self.saw_uncached = False
+
+    # -- batches ---------------------------------------------------------------------------
+    def locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(chunk, row)`` of every sample index, vectorised."""
+        chunks = self.layout.chunk_of(indices)
+        return chunks, indices - self.layout.starts[chunks]
+
+    def chunks_for(self, chunk_ids: np.ndarray) -> dict[int, Chunk]:
+        """The chunks of one batch, resolving (one store call) what is not held."""
+        wanted = np.unique(chunk_ids).tolist()
+        found: dict[int, Chunk] = {}
+        missing = []
+        for c in wanted:
+            chunk = self._held.get(c) or self._transient.get(c)
+            if chunk is None:
+                missing.append(c)
+            else:
+                found[c] = chunk
+        for c in list(missing):
+            fut = self._pending.get(c)
+            if fut is not None:
+                fut.result(timeout=self.timeout_s)  # never raises: see _prefetch_group
+                chunk = self._held.get(c) or self._transient.get(c)
+                if chunk is not None:
+                    found[c] = chunk
+                    missing.remove(c)
+        if missing:
+            found.update(self._resolve(missing, self.generation))
+        return found
+
+    def count(self, chunk_ids: np.ndarray, indices: np.ndarray) -> None:
+        """Count delivered samples by where their chunk came from (per chunk)."""
+        sizes = self.manifest.sizes[indices]
+        for c, n, nbytes in _per_chunk(chunk_ids, sizes):
+            origin = self._origin.get(c, "local")
+            self.counts[origin] += n
+            self.counts[f"{origin}_bytes"] += nbytes
+
+    def collate(
+        self,
+        chunks: dict[int, Chunk],
+        chunk_ids: np.ndarray,
+        rows: np.ndarray,
+        indices: np.ndarray,
+        pin_memory: bool,
+    ) -> Any:
+        """One batch as tensors: ``(B, ...)``, a dict of them, plus targets if any."""
+        in_batch = [chunks[c] for c in chunk_ids.tolist()]
+        row_list = rows.tolist()
+        self._raise_failed(in_batch, row_list, indices)
+        first = in_batch[0]
+        out = {
+            f: self._gather_field(in_batch, row_list, f, pin_memory)
+            for f in first.fields
+        }
+        x = out[PLAIN_FIELD] if first.is_plain else out
+        if first.targets is None:
+            return x
+        targets = np.stack(
+            [c.targets[r] for c, r in zip(in_batch, row_list, strict=True)]
+        )
+        return x, torch.from_numpy(targets)
+
+    def sample(self, chunk: Chunk, row: int, index: int) -> Any:
+        """One sample as zero-copy tensors (read-only views of the object store)."""
+        self._raise_failed([chunk], [row], np.array([index]))
+        value = chunk.sample(row)
+        x = (
+            {k: torch.from_numpy(v) for k, v in value.items()}
+            if isinstance(value, dict)
+            else torch.from_numpy(value)
+        )
+        if chunk.targets is None:
+            return x
+        return x, torch.from_numpy(np.asarray(chunk.targets[row]))
+
+    def _gather_field(
+        self, in_batch: list[Chunk], rows: list[int], field: str, pin_memory: bool
+    ) -> torch.Tensor:
+        shape = batch_shape(in_batch, rows, field)
+        probe = in_batch[0].field(field, rows[0])
+        out = torch.empty(
+            (len(rows), *shape),
+            dtype=torch.from_numpy(
+                probe[:0] if probe.ndim else probe.reshape(1)[:0]
+            ).dtype,
+            pin_memory=pin_memory,
+        )
+        gather(in_batch, rows, field, out.numpy())
+        return out
+
+    def _raise_failed(
+        self, in_batch: list[Chunk], rows: list[int], indices: np.ndarray
+    ) -> None:
+        for j, (chunk, row) in enumerate(zip(in_batch, rows, strict=True)):
+            if chunk.has_failures and chunk.failed[row]:
+                kind, message = chunk.error(row) or ("RemoteFetchError", "")
+                url = self.manifest.url(int(indices[j]))
+                cls = getattr(errors, kind, errors.RemoteFetchError)
+                if not (isinstance(cls, type) and issubclass(cls, ShardCacheError)):
+                    cls = errors.RemoteFetchError
+                raise cls(
+                    f"sample {int(indices[j])} ({url!r}) could not be built: {message}"
+                )
+
+    # -- resolution ---------------------------------------------------------------------
+    def _resolve(self, chunks: list[int], generation: int) -> dict[int, Chunk]:
+        import ray
+
+        items = [
+            (
+                chunk_key(c),
+                f"{int(self.versions[c]):016x}",
+                int(self.manifest.sizes[slice(*self.layout.bounds(c))].sum()),
+            )
+            for c in chunks
+        ]
+        for attempt in range(2):
+            results = self.client.get_refs(self.name, generation, items, self.digest)
+            try:
+                values = ray.get([ref for _, ref in results], timeout=self.timeout_s)
+                break
+            except ray.exceptions.ObjectLostError:
+                # The store that owned these chunks died after answering
+                # (OwnerDiedError is an ObjectLostError): ask again, within
+                # this batch; the client reaches the store's successor.
+                if attempt == 1:
+                    raise
+        out: dict[int, Chunk] = {}
+        with self._lock:
+            current = generation == self.generation
+            for c, (status, _), value in zip(chunks, results, values, strict=True):
+                chunk = Chunk(value)
+                out[c] = chunk
+                if not current:
+                    continue
+                self._origin[c] = _origin(status)
+                if (
+                    status != "uncached"
+                    and self._held_bytes + chunk.nbytes <= self.hold_bytes
+                ):
+                    self._held[c] = chunk
+                    self._held_bytes += chunk.nbytes
+                else:
+                    # Not kept for the generation (the store did not cache it, or
+                    # this process's hold budget is spent): kept for the next
+                    # few batches only, so the store's policy stays in charge.
+                    self.saw_uncached = self.saw_uncached or status == "uncached"
+                    self._keep_transient(c, chunk)
+        return out
+
+    def _keep_transient(self, c: int, chunk: Chunk) -> None:
+        """Keep a chunk for the next few batches, within the hold budget
+        (``hold_bytes=0`` keeps none: every batch then asks the store)."""
+        old = self._transient.pop(c, None)
+        if old is not None:
+            self._transient_bytes -= old.nbytes
+        self._transient[c] = chunk
+        self._transient_bytes += chunk.nbytes
+        while self._transient and (
+            len(self._transient) > TRANSIENT_KEPT
+            or self._transient_bytes > self.hold_bytes
+        ):
+            _, dropped = self._transient.popitem(last=False)
+            self._transient_bytes -= dropped.nbytes
+
+    def prefetch(self, upcoming: np.ndarray) -> None:
+        """Resolve the chunks of ``upcoming`` sample indices in the background,
+        in the order they are first needed, ``PREFETCH_DEPTH`` calls in flight."""
+        if len(upcoming) == 0 or self._held_bytes >= self.hold_bytes:
+            return
+        chunk_ids = self.layout.chunk_of(upcoming)
+        _, first = np.unique(chunk_ids, return_index=True)
+        ordered = chunk_ids[np.sort(first)].tolist()
+        todo = [
+            c
+            for c in ordered
+            if c not in self._held
+            and c not in self._pending
+            and c not in self._transient
+        ]
+        if not todo:
+            return
+        generation = self.generation
+        pool = self._pool()
+        for i in range(0, len(todo), PREFETCH_GROUP):
+            group = todo[i : i + PREFETCH_GROUP]
+            fut = pool.submit(self._prefetch_group, group, generation)
+            for c in group:
+                self._pending[c] = fut
+
+    def _prefetch_group(self, group: list[int], generation: int) -> None:
+        try:
+            # Past an uncached chunk, reading far ahead would only read chunks
+            # twice: they could not be kept until the loop reaches them.
+            if generation == self.generation and not self.saw_uncached:
+                self._resolve(group, generation)
+        except (BackendError, StaleVersionError, _ray_errors()):
+            pass  # the training loop asks again and raises with full context
+        finally:
+            for c in group:
+                self._pending.pop(c, None)
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._background is None:
+            self._background = ThreadPoolExecutor(
+                PREFETCH_DEPTH, thread_name_prefix="shardcache-prefetch"
+            )
+        return self._background
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn`` off the training loop (stats reports)."""
+        self._pool().submit(fn, *args)
+
+    def close(self) -> None:
+        if self._background is not None:
+            self._background.shutdown(wait=True, cancel_futures=True)
+            self._background = None
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held_bytes
+
+
+def _ray_errors() -> type[Exception]:
+    import ray
+
+    return ray.exceptions.RayError
+
+
+def _per_chunk(chunk_ids: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(chunk, samples, bytes)`` per distinct chunk of a batch."""
+    uniq, inverse, counts = np.unique(
+        chunk_ids, return_inverse=True, return_counts=True
+    )
+    nbytes = np.bincount(inverse, weights=sizes, minlength=len(uniq))
+    return list(
+        zip(
+            uniq.tolist(),
+            counts.tolist(),
+            nbytes.astype(np.int64).tolist(),
+            strict=True,
+        )
+    )

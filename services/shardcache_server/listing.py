@@ -1,0 +1,135 @@
+"""The published listing: one store lists a dataset, every other process maps it.
+
+The first store asked for a dataset's manifest claims it in Redis
+(``manifest:{ds}``), lists the source once, cuts it into chunks and puts the
+arrays in the object store; every other store asks that holder and gets
+the same ObjectRef, and ranks map it zero-copy. A refresh carries a token
+(job, refresh count, the digest the rank had): every rank of a job calling
+``refresh()`` together sends the same token, and one listing answers them
+all; a new token lists again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
+from shardcache.manifest import Manifest
+from shardcache.source import list_source
+
+__all__ = ["REFRESH_TOKEN_TTL_S", "Listings", "list_with_layout"]
+
+REFRESH_TOKEN_TTL_S = 60.0  # a refresh token answered this recently is not re-listed
+MANIFESTS_KEPT = 4  # digests per dataset a store keeps for ranks not yet refreshed
+
+
+def list_with_layout(spec: dict[str, Any], previous: Manifest | None) -> Manifest:
+    """List ``spec["urls"]`` and cut it into chunks.
+
+    When the URLs are the ones ``previous`` listed, its chunks are kept, so a
+    changed object changes only its own chunk's version (a new size must
+    not move every later chunk boundary).
+    """
+    manifest = list_source(spec["urls"], spec.get("storage_options") or {})
+    if (
+        previous is not None
+        and "chunk_starts" in previous.columns
+        and np.array_equal(
+            previous.columns["name_offsets"], manifest.columns["name_offsets"]
+        )
+        and np.array_equal(previous.columns["names"], manifest.columns["names"])
+    ):
+        starts = previous.columns["chunk_starts"]
+    else:
+        starts = manifest.plan(
+            int(spec.get("chunk_bytes") or DEFAULT_CHUNK_BYTES),
+            int(spec.get("chunk_samples") or DEFAULT_CHUNK_SAMPLES),
+        ).starts
+    manifest.columns["chunk_starts"] = np.asarray(starts, dtype=np.int64)
+    return manifest
+
+
+class Listings:
+    """The manifests one store holds, by ``(dataset, digest)``.
+
+    Args:
+        put: stores a manifest object, returns a reference.
+        get: maps a reference back to the object (zero-copy under Ray).
+    """
+
+    def __init__(self, put: Callable[[Any], Any], get: Callable[[Any], Any]):
+        self._put, self._get = put, get
+        self._held: dict[str, dict[str, tuple[Any, Manifest]]] = {}
+        self._published: dict[str, str] = {}  # the digest of my latest listing
+        self._tokens: dict[str, dict[str, tuple[float, str]]] = {}  # -> (start, digest)
+        self._inflight: dict[str, asyncio.Future[tuple[Any, str]]] = {}
+
+    def held(self, dataset: str, digest: str) -> tuple[Any, Manifest] | None:
+        return self._held.get(dataset, {}).get(digest)
+
+    def adopt(self, dataset: str, digest: str, ref: Any) -> Manifest:
+        """Keep a manifest another store published; returns it mapped."""
+        found = self.held(dataset, digest)
+        if found is not None:
+            return found[1]
+        manifest = Manifest.from_object(self._get(ref))
+        kept = self._held.setdefault(dataset, {})
+        kept[digest] = (ref, manifest)
+        while len(kept) > MANIFESTS_KEPT:
+            kept.pop(next(iter(kept)))
+        return manifest
+
+    def published(self, dataset: str, token: str) -> tuple[Any, str] | None:
+        """What this store published for ``token`` (``""``: its latest listing)."""
+        if not token:
+            digest = self._published.get(dataset)
+        else:
+            seen = self._tokens.get(dataset, {}).get(token)
+            fresh = seen is not None and seen[0] > time.time() - REFRESH_TOKEN_TTL_S
+            digest = seen[1] if fresh and seen is not None else None
+        found = self.held(dataset, digest) if digest is not None else None
+        return None if found is None else (found[0], digest)  # type: ignore[return-value]
+
+    def latest(self, dataset: str) -> Manifest | None:
+        digest = self._published.get(dataset)
+        found = self.held(dataset, digest) if digest is not None else None
+        return None if found is None else found[1]
+
+    async def publish(
+        self, spec: dict[str, Any], token: str = ""
+    ) -> tuple[Any, str, Manifest]:
+        """List ``spec`` once (concurrent callers share it) and hold the result."""
+        name = spec["name"]
+        running = self._inflight.get(name)
+        if running is not None:
+            ref, digest = await asyncio.shield(running)
+            return ref, digest, self._held[name][digest][1]
+        fut: asyncio.Future[tuple[Any, str]] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self._inflight[name] = fut
+        started = time.time()
+        try:
+            listed = await asyncio.to_thread(list_with_layout, spec, self.latest(name))
+            ref = self._put(listed.to_object())
+            manifest = self.adopt(name, listed.digest, ref)
+            self._published[name] = listed.digest
+            tokens = self._tokens.setdefault(name, {})
+            tokens[token] = (started, listed.digest)
+            for old in [
+                t for t, v in tokens.items() if v[0] < started - REFRESH_TOKEN_TTL_S
+            ]:
+                del tokens[old]
+            fut.set_result((ref, listed.digest))
+            return ref, listed.digest, manifest
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: callers that share it re-raise their own
+            raise
+        finally:
+            self._inflight.pop(name, None)

@@ -1,0 +1,153 @@
+"""Chunk-level store behaviour without Ray: many objects per chunk, a real
+Redis and the S3 emulator (GETs counted at the server)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import numpy as np
+
+from shardcache.chunks import Chunk
+from shardcache.decoders import raw_bytes
+from shardcache.manifest import Manifest, chunk_key
+from shardcache_server.settings import ServiceSettings
+from shardcache_server.shard import CacheShard
+
+from helpers import local_build, register_dataset
+
+COUNT = 10  # objects, all in one chunk
+
+
+def _setup(s3, s3fs_client, bucket, redis_url, preprocess=raw_bytes, **settings):
+    s3fs_client.pipe(
+        {f"{bucket}/d/{i:03d}.bin": bytes([i]) * 100 for i in range(COUNT)}
+    )
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    cfg = ServiceSettings(
+        redis_url=redis_url, namespace=ns, stats_flush_s=0.05, backoff_s=0.01,
+        **settings,
+    )  # fmt: skip
+    index, spec, items = register_dataset(
+        s3, f"s3://{bucket}/d/", redis_url, ns, preprocess, chunk_samples=COUNT
+    )
+    assert len(items) == 1
+    return cfg, index, spec, items
+
+
+def _shard(cfg):
+    return CacheShard(
+        cfg, "node-a", put=lambda v: v, get=lambda v: v, peer=lambda n: None,
+        build=local_build(cfg),
+    )  # fmt: skip
+
+
+def _items(manifest: Manifest):
+    layout = manifest.layout
+    versions = manifest.chunk_versions(layout)
+    return [(chunk_key(c), f"{int(versions[c]):016x}", 0) for c in range(len(layout))]
+
+
+def _samples(result) -> list[bytes]:
+    chunk = Chunk(result[1])
+    return [bytes(chunk.sample(r)) for r in range(len(chunk))]
+
+
+def test_chunk_changed_member_is_the_only_object_read_again(
+    s3, s3fs_client, bucket, redis_url
+):
+    cfg, index, spec, items = _setup(s3, s3fs_client, bucket, redis_url)
+
+    async def scenario():
+        shard = _shard(cfg)
+        await shard.register(spec, raw_bytes)
+        first = (await shard.get("ds", 1, items))[0]
+        gets_before = s3.total_gets
+        s3fs_client.pipe({f"{bucket}/d/004.bin": b"\xff" * 150})  # new size too
+        ref, digest = await shard.manifest(spec, "job/1")  # refresh: re-list
+        manifest = Manifest.from_object(ref)
+        new_items = _items(manifest)
+        second = (await shard.get("ds", 1, new_items, digest=digest))[0]
+        again = (await shard.get("ds", 1, new_items, digest=digest))[0]
+        await asyncio.sleep(0.2)
+        await shard.close()
+        return first, gets_before, new_items, second, again
+
+    first, gets_before, new_items, second, again = asyncio.run(scenario())
+    assert first[0] == "fetched" and gets_before == COUNT
+    assert new_items[0][1] != items[0][1]  # the chunk's version changed
+    assert s3.total_gets == COUNT + 1  # only the changed member was read
+    got = _samples(second)
+    assert got[4] == b"\xff" * 150  # never the stale bytes
+    assert got[:4] + got[5:] == [bytes([i]) * 100 for i in range(COUNT) if i != 4]
+    assert second[0] == "fetched" and again[0] == "hit"
+    entries = index.entries("ds", 1)
+    assert entries[items[0][0]]["etag"] == new_items[0][1]
+
+
+def test_chunk_member_that_fails_is_named_and_the_rest_is_served(
+    s3, s3fs_client, bucket, redis_url
+):
+    cfg, index, spec, items = _setup(s3, s3fs_client, bucket, redis_url)
+
+    async def scenario():
+        shard = _shard(cfg)
+        await shard.register(spec, raw_bytes)
+        s3fs_client.rm(f"{bucket}/d/007.bin")  # gone after the listing
+        out = (await shard.get("ds", 1, items))[0]
+        info = await shard.info()
+        await asyncio.sleep(0.2)
+        await shard.close()
+        return out, info
+
+    (status, value), info = asyncio.run(scenario())
+    chunk = Chunk(value)
+    assert status == "uncached"  # served now, not cached: the next epoch retries
+    assert chunk.failed.tolist() == [i == 7 for i in range(COUNT)]
+    kind, message = chunk.error(7)
+    assert kind == "SourceNotFound" and f"s3://{bucket}/d/007.bin" in message
+    assert bytes(chunk.sample(3)) == bytes([3]) * 100
+    assert info["entries"] == 0 and not index.entries("ds", 1)
+    assert any(e["kind"] == "fetch_error" for e in index.events())
+
+
+def test_chunk_larger_than_the_budget_is_served_uncached(
+    s3, s3fs_client, bucket, redis_url
+):
+    cfg, index, spec, items = _setup(
+        s3, s3fs_client, bucket, redis_url, cache_bytes=500
+    )
+
+    async def scenario():
+        shard = _shard(cfg)
+        await shard.register(spec, raw_bytes)
+        out = [(await shard.get("ds", 1, items))[0] for _ in range(2)]
+        info = await shard.info()
+        await shard.close()
+        return out, info
+
+    out, info = asyncio.run(scenario())
+    assert [r[0] for r in out] == ["uncached", "uncached"]
+    assert _samples(out[1]) == [bytes([i]) * 100 for i in range(COUNT)]
+    assert info["used_bytes"] == 0 and info["entries"] == 0
+
+
+def test_chunk_whose_samples_disagree_on_dtype_is_a_preprocess_error(
+    s3, s3fs_client, bucket, redis_url
+):
+    def mixed(data: bytes) -> np.ndarray:
+        dtype = np.float32 if data[0] == 5 else np.uint8
+        return np.frombuffer(data, np.uint8).astype(dtype)
+
+    cfg, _, spec, items = _setup(s3, s3fs_client, bucket, redis_url, mixed)
+
+    async def scenario():
+        shard = _shard(cfg)
+        await shard.register(spec, mixed)
+        out = (await shard.get("ds", 1, items))[0]
+        await shard.close()
+        return out
+
+    res = asyncio.run(scenario())
+    assert res[:2] == ("error", "PreprocessError")
+    assert "float32" in res[2] and f"s3://{bucket}/d/005.bin" in res[2]
