@@ -44,7 +44,9 @@ __all__ = [
     "plan_chunks",
 ]
 
-DEFAULT_CHUNK_BYTES = 4 * 2**20  # source bytes per chunk: a few MB, as Mosaic/LitData
+DEFAULT_CHUNK_BYTES = (
+    16 * 2**20
+)  # source bytes per chunk (Mosaic: 64 MB shards; LitData: 64 MB chunks)
 DEFAULT_CHUNK_SAMPLES = 4096  # bounds chunks of tiny samples (tokens, 100 B rows)
 PLAIN_FIELD = "_"  # the field name of samples that are a single array
 FAILED = "__failed__"
@@ -188,8 +190,13 @@ def _field_columns(
                 "samples must share dtype and number of dimensions (cast in preprocess)."
             )
     if all(a.shape == ref.shape for a in arrays):
-        out = np.zeros((n, *ref.shape), dtype=ref.dtype)
-        out[rows] = np.stack(arrays) if arrays else out[rows]
+        # One copy per sample straight into its row (np.stack would copy twice);
+        # rows of failed members are zeroed, the others written once.
+        out = np.empty((n, *ref.shape), dtype=ref.dtype)
+        for a, row in zip(arrays, rows, strict=True):
+            out[row] = a
+        if len(rows) < n:
+            out[np.setdiff1d(np.arange(n), rows)] = 0
         return {field: out}
     shapes = np.zeros((n, ref.ndim), dtype=np.int64)
     lengths = np.zeros(n, dtype=np.int64)

@@ -93,7 +93,7 @@ class DistributedCachedDataset(Dataset[Any]):
             object, one index entry) is a run of consecutive objects of at
             most ``chunk_samples`` objects and about ``chunk_bytes`` source
             bytes. The first job that lists a dataset fixes its chunks.
-            Default to 4 MiB and 4096.
+            Default to 16 MiB and 4096.
 
     Where the cache is:
         redis_url, ray_address: ``None`` uses the embedded local defaults.

@@ -222,6 +222,13 @@ def run_build(
     return build_members(ServiceSettings(**settings_dump), req)
 
 
+def _warm_up() -> int:
+    """Runs in a build worker when the store starts: the imports are paid then."""
+    import fsspec  # noqa: F401
+
+    return len(_FETCHERS)
+
+
 class RayChunkBuilder:
     """Submits builds as Ray tasks pinned to ``node_id``, at most ``workers`` at once.
 
@@ -245,6 +252,14 @@ class RayChunkBuilder:
             max_retries=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
+
+        # Start the node's build workers now, not on the first cold batch: a
+        # Ray worker process takes ~1 s to start and import numpy and fsspec.
+        warm = ray.remote(_warm_up).options(
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        self._warming = [warm.remote() for _ in range(workers)]
 
     async def build(self, req: BuildRequest) -> tuple[Any, dict[str, Any]]:
         async with self._sem:
