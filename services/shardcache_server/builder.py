@@ -72,9 +72,16 @@ def _loop() -> asyncio.AbstractEventLoop:
 def _fetcher(
     settings: ServiceSettings, protocol: str, options: dict[str, Any]
 ) -> Fetcher:
-    key = json.dumps(
-        [protocol, options, settings.fetch_retries], sort_keys=True, default=str
-    )
+    # Every setting the Fetcher is built from is part of the key: two stores
+    # (or tests) with different retry or timeout settings never share one.
+    fetch_settings = settings.model_dump(
+        include={
+            "fetch_concurrency", "fetch_retries", "backoff_s", "backoff_max_s",
+            "fetch_timeout_s", "verify_checksum", "source_rps", "source_burst",
+            "redis_url", "namespace",
+        }
+    )  # fmt: skip
+    key = json.dumps([protocol, options, fetch_settings], sort_keys=True, default=str)
     with _LOCK:
         fetcher = _FETCHERS.get(key)
         if fetcher is None:

@@ -12,6 +12,7 @@ all; a new token lists again.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -59,7 +60,9 @@ class Listings:
 
     Args:
         put: stores a manifest object, returns a reference.
-        get: maps a reference back to the object (zero-copy under Ray).
+        get: maps a reference back to the object, or returns an awaitable of
+            it (under Ray the ObjectRef itself: awaiting it never blocks the
+            store's event loop while a large manifest moves between nodes).
     """
 
     def __init__(self, put: Callable[[Any], Any], get: Callable[[Any], Any]):
@@ -72,12 +75,15 @@ class Listings:
     def held(self, dataset: str, digest: str) -> tuple[Any, Manifest] | None:
         return self._held.get(dataset, {}).get(digest)
 
-    def adopt(self, dataset: str, digest: str, ref: Any) -> Manifest:
+    async def adopt(self, dataset: str, digest: str, ref: Any) -> Manifest:
         """Keep a manifest another store published; returns it mapped."""
         found = self.held(dataset, digest)
         if found is not None:
             return found[1]
-        manifest = Manifest.from_object(self._get(ref))
+        value = self._get(ref)
+        if inspect.isawaitable(value):
+            value = await value
+        manifest = Manifest.from_object(value)
         kept = self._held.setdefault(dataset, {})
         kept[digest] = (ref, manifest)
         while len(kept) > MANIFESTS_KEPT:
@@ -117,7 +123,7 @@ class Listings:
         try:
             listed = await asyncio.to_thread(list_with_layout, spec, self.latest(name))
             ref = self._put(listed.to_object())
-            manifest = self.adopt(name, listed.digest, ref)
+            manifest = await self.adopt(name, listed.digest, ref)
             self._published[name] = listed.digest
             tokens = self._tokens.setdefault(name, {})
             tokens[token] = (started, listed.digest)

@@ -79,6 +79,7 @@ class _Dataset:
     manifest: Manifest
     digest: str
     target: Callable[[str], Any] | None = None
+    urls: Any = ""  # the source (prefix, glob or list), to list it again
 
 
 class CacheShard:
@@ -88,7 +89,8 @@ class CacheShard:
         settings: the service settings (budget, eviction, fetch limits, Redis).
         node_id: the Ray node this store serves.
         put: stores a value and returns a reference; ``ray.put`` under Ray.
-        get: maps a reference back to its value; ``ray.get`` under Ray.
+        get: maps a reference back to its value (or an awaitable of it);
+            under Ray the ObjectRef itself, awaited on the event loop.
         peer: returns the store handle of another node, or ``None`` if gone.
         build: builds one chunk and returns ``(reference, report)``; under
             Ray a task pinned to this node (``builder.RayChunkBuilder``).
@@ -113,7 +115,7 @@ class CacheShard:
         self.incarnation = uuid.uuid4().hex[:8]
         self.me = f"{node_id}/{self.incarnation}"
         self._put = put or _ray_put
-        self._get = get or _ray_get
+        self._get = get or _awaitable_ref
         self._peer = peer or (lambda node: _ray_peer(self.settings.namespace, node))
         self._build = build
         self._policy = make_policy(self.settings.eviction, self.settings.cache_bytes)
@@ -194,6 +196,7 @@ class CacheShard:
             manifest,
             spec["manifest"],
             target,
+            spec.get("urls", ""),
         )
         return self._generation[name]
 
@@ -255,7 +258,7 @@ class CacheShard:
             if type(exc).__module__.split(".")[0] != "ray":
                 raise
             return None
-        self._listings.adopt(spec["name"], digest, ref)
+        await self._listings.adopt(spec["name"], digest, ref)
         return [ref, digest]
 
     async def _manifest_by_digest(
@@ -271,7 +274,7 @@ class CacheShard:
         if handle is not None and holder != self.me:
             refs = await handle.manifest_of.remote(dataset, digest)
             if refs:
-                return self._listings.adopt(dataset, digest, refs[0])
+                return await self._listings.adopt(dataset, digest, refs[0])
         # Nobody holds that listing any more (holder restarted): list again;
         # a different result means the caller must re-read it.
         ref, got, manifest = await self._listings.publish({**spec, "name": dataset})
@@ -335,7 +338,9 @@ class CacheShard:
         if digest is not None and digest != ds.digest:
             try:
                 manifest = await self._manifest_by_digest(
-                    dataset, digest, {"urls": "", "storage_options": ds.storage_options}
+                    dataset,
+                    digest,
+                    {"urls": ds.urls, "storage_options": ds.storage_options},
                 )
             except StaleVersionError as exc:
                 return [("error", "StaleVersionError", str(exc))] * len(items)
@@ -543,6 +548,7 @@ class CacheShard:
                         "storage_options": ds.storage_options,
                         "generation": generation,
                         "manifest": ds.digest,
+                        "urls": ds.urls,
                     }
                     await handle.register.remote(spec, ds.preprocess, ds.target)
                     results = await handle.get.remote(
@@ -866,10 +872,8 @@ def _ray_put(value: Any) -> Any:
     return ray.put(value)
 
 
-def _ray_get(ref: Any) -> Any:
-    import ray
-
-    return ray.get(ref)
+def _awaitable_ref(ref: Any) -> Any:
+    return ref  # an ObjectRef is awaitable inside the async actor
 
 
 def _chunk_index(chunk: str) -> int:

@@ -78,7 +78,8 @@ def _rank(rank, world, port, address, cfg, out):
             ds.set_epoch(epoch)
             for _batch in loader:
                 dist.all_reduce(torch.ones(1))
-        ds.close()
+        ds.close()  # flushes this rank's counts
+        dist.barrier()  # every rank has flushed: the cluster totals are complete
         out.put(ds.stats())
     finally:
         dist.destroy_process_group()
