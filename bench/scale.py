@@ -126,8 +126,10 @@ def main() -> None:
             f"{files}/", raw, name=f"scale{args.samples}", shuffle=True, **common
         )
         publish_s = time.perf_counter() - started
+        store_listed = sum(rss_anon(p) for p in store_pids([me]))
         batches, path = shardcache_batches(ds, args.batch_size, args.shardcache_path)
         cold_n, cold_s = _epoch(ds, batches, 0)
+        store_cold = sum(rss_anon(p) for p in store_pids([me]))
         warm_n, warm_s = _epoch(ds, batches, 1)
         stores = store_pids([me])
         out = {
@@ -148,6 +150,13 @@ def main() -> None:
                 else None
             ),
             "store_processes": len(stores),
+            # where the store's growth happens: after listing, after the cold epoch
+            "store_anon_after_listing_per_sample": round(
+                (store_listed - store0) / args.samples, 1
+            ),
+            "store_anon_after_cold_per_sample": round(
+                (store_cold - store0) / args.samples, 1
+            ),
             "redis_bytes_per_sample": round(
                 (redis_used_memory(redis_url) - redis0) / args.samples, 1
             ),

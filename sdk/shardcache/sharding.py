@@ -132,7 +132,7 @@ def assign_chunks(
     starts = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
     n = int(starts[-1])
     if world_size == 1:
-        return [np.arange(n, dtype=np.int64)]
+        return [np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)]
     salt = _mix(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) + np.uint64(0x9E3779B97F4A7C15))
     chunk_h = _mix(np.arange(1, len(sizes) + 1, dtype=np.uint64) ^ salt)
     preference, capacity = _rendezvous(chunk_h, world_size, n)
@@ -159,10 +159,13 @@ def assign_chunks(
                 lo += take
             if lo == hi:
                 break
+    # 4 bytes per sample while indices fit: the shard and each epoch's order
+    # are a rank's only per-sample memory.
+    dtype = np.int32 if n < 2**31 else np.int64
     return [
-        np.sort(np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in p]))
+        np.sort(np.concatenate([np.arange(a, b, dtype=dtype) for a, b in p]))
         if p
-        else np.zeros(0, dtype=np.int64)
+        else np.zeros(0, dtype=dtype)
         for p in pieces
     ]
 

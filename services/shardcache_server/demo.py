@@ -39,7 +39,6 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], out: Any) 
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import DataLoader
 
     from shardcache import DistributedCachedDataset
     from shardcache.decoders import decode_image_chw
@@ -58,7 +57,9 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], out: Any) 
         name="demo-images",
         job="demo",
     )
-    loader = DataLoader(ds, batch_size=cfg["batch_size"], sampler=ds.sampler)
+    # Collated batches gathered straight from the cached chunks (the fast
+    # path; DataLoader(ds, sampler=ds.sampler) works too).
+    loader = ds.loader(cfg["batch_size"])
     model = DistributedDataParallel(
         nn.Sequential(
             nn.Conv2d(3, 16, 3, padding=1),

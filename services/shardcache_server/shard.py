@@ -35,7 +35,7 @@ from shardcache.index import RedisIndex
 from shardcache.manifest import Manifest, chunk_key
 from shardcache_server.builder import BuildRequest, RayChunkBuilder
 from shardcache_server.eviction import make_policy
-from shardcache_server.listing import Listings
+from shardcache_server.listing import Listings, RayLister, list_in_thread
 from shardcache_server.retired import RetiredGenerations
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.stats import StatsBuffer
@@ -120,7 +120,11 @@ class CacheShard:
         self._build = build
         self._policy = make_policy(self.settings.eviction, self.settings.cache_bytes)
         self._retired = RetiredGenerations(self.settings.retire_grace_s)
-        self._listings = Listings(self._put, self._get)
+        # Under Ray (no build function given) listings run in a task too.
+        self._listings = Listings(
+            self._get,
+            list_in_thread(self._put) if build is not None else self._ray_lister,
+        )
         self._table: dict[tuple[str, str], _Cached] = {}
         self._datasets: dict[str, _Dataset] = {}
         self._generation: dict[str, int] = defaultdict(int)
@@ -134,6 +138,9 @@ class CacheShard:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
         self._tasks: list[asyncio.Task[None]] = []
+
+    async def _ray_lister(self, spec: dict[str, Any], previous: Any) -> tuple[Any, str]:
+        return await RayLister(self.node_id)(spec, previous)
 
     # -- lifecycle -------------------------------------------------------------
     def _ensure_started(self) -> None:
@@ -640,19 +647,24 @@ class CacheShard:
                 "the rank and the store read different listings. Call refresh()."
             )
         lo, hi = layout.bounds(index)
-        reuse: dict[int, int] = {}
+        changed: list[int] = []
         if base is not None and len(base.hashes) == hi - lo:
-            changed = set(ds.manifest.changed_rows(lo, hi, base.hashes).tolist())
-            reuse = {r: r for r in range(hi - lo) if r not in changed}
+            changed = ds.manifest.changed_rows(lo, hi, base.hashes).tolist()
+        reuse = (
+            base is not None and len(base.hashes) == hi - lo and len(changed) < hi - lo
+        )
+        held = self._listings.held(ds.name, ds.digest)
         req = BuildRequest(
             ds.name,
             ds.protocol,
             ds.storage_options,
-            ds.manifest.members(lo, hi),
+            held[0] if held is not None else ds.manifest.to_object(),
+            lo,
+            hi,
             ds.preprocess,
             ds.target,
             base.ref if reuse and base is not None else None,
-            reuse,
+            changed,
         )
         return await self._build(req)
 
