@@ -20,6 +20,7 @@ EXTRA: dict[str, dict[str, Any]] = {
     "cache.cacheBytes": {"minimum": 1048576},
     "cache.fetchConcurrency": {"minimum": 1},
     "cache.fetchRetries": {"minimum": 0},
+    "cache.buildWorkers": {"minimum": 0},
     "cache.preprocessWorkers": {"minimum": 1},
     "cache.sourceBurst": {"minimum": 1},
     "ray.objectStoreBytes": {"minimum": 78643200},

@@ -165,6 +165,7 @@ def test_chart_settings_match_python_config():
     config = next(o for o in objs if o["kind"] == "ConfigMap")
     assert set(config["data"]) <= known
     assert config["data"]["SHARDCACHE_CACHE_BYTES"] == "8589934592"
+    assert config["data"]["SHARDCACHE_BUILD_WORKERS"] == "0"  # one per node CPU
     ServiceSettings(
         **{k.removeprefix("SHARDCACHE_").lower(): v for k, v in config["data"].items()}
     )
