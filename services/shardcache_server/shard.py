@@ -868,14 +868,21 @@ class CacheShard:
                 "owner": self.node_id,
                 "generation": c.generation,
             }
+        waiting = False
         for (ds, gen), entries in by_ds.items():
-            if await asyncio.to_thread(self._index.generation, ds) != gen:
+            current = await asyncio.to_thread(self._index.generation, ds)
+            if current == 0:
+                # Redis came back empty and no rank has registered the dataset
+                # again yet: try again at the next flush, not never.
+                waiting = True
+                continue
+            if current != gen:
                 continue
             await asyncio.to_thread(self._index.record_entries, ds, gen, entries)
             await asyncio.to_thread(
                 self._index.take_over, ds, gen, list(entries), "", self.me
             )
-        self._index_dirty = False
+        self._index_dirty = waiting
 
 
 def _ray_put(value: Any) -> Any:
