@@ -422,30 +422,6 @@ def _scenario_env(system: str, values_bytes: int, nodes: int) -> dict[str, Any]:
     return {}
 
 
-def start_cluster(nodes: int, cpus_per_node: int, object_store_bytes: int) -> Any:
-    """``nodes`` Ray nodes on 127.0.0.1; node ``i`` carries the resource ``node{i}``."""
-    from ray.cluster_utils import Cluster
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    node_args = {
-        "num_cpus": cpus_per_node,
-        "object_store_memory": object_store_bytes,
-        "node_ip_address": "127.0.0.1",
-    }
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            **node_args,
-            "include_dashboard": False,
-            "resources": {"node0": 1},
-        },
-    )
-    for n in range(1, nodes):
-        cluster.add_node(**node_args, resources={f"node{n}": 1})
-    cluster.wait_for_nodes()
-    return cluster
-
-
 def _raylet_pids(cluster: Any) -> list[int]:
     pids = []
     for node in cluster.list_all_nodes():
@@ -564,7 +540,7 @@ def main() -> None:
 
     import ray
 
-    from shardcache.embedded import start_redis_server
+    from shardcache.embedded import start_loopback_cluster, start_redis_server
     from shardcache_server.datagen import upload_blobs, upload_images
     from shardcache_server.emulator import LATENCY_PROFILES, S3Emulator
 
@@ -614,7 +590,9 @@ def main() -> None:
         }
     memcpy_runs = {d: [memcpy_gbps(batch[d] * VALUE_BYTES[d])] for d in DATASETS}
     cpus_per_node = max(2, (os.cpu_count() or 2) // args.nodes)
-    cluster = start_cluster(args.nodes, cpus_per_node, args.object_store_mb * 2**20)
+    cluster = start_loopback_cluster(
+        args.nodes, args.object_store_mb * 2**20, cpus_per_node
+    )
     ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
     ctx = Context(emulator, redis_url, _raylet_pids(cluster))
     results: list[dict[str, Any]] = []

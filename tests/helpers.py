@@ -60,7 +60,6 @@ def register_dataset(
     from shardcache.decoders import raw_bytes
     from shardcache.fingerprint import fingerprint
     from shardcache.index import RedisIndex
-    from shardcache.manifest import chunk_key
     from shardcache_server.listing import list_with_layout
 
     preprocess = preprocess or raw_bytes
@@ -78,17 +77,7 @@ def register_dataset(
         name, prefix, fingerprint(preprocess), len(manifest), manifest.total_bytes
     )
     spec.update(generation=gen, manifest=manifest.digest)
-    layout = manifest.layout
-    versions = manifest.chunk_versions(layout)
-    items = [
-        (
-            chunk_key(c),
-            f"{int(versions[c]):016x}",
-            int(manifest.sizes[slice(*layout.bounds(c))].sum()),
-        )
-        for c in range(len(layout))
-    ]
-    return index, spec, items
+    return index, spec, manifest.chunk_items(range(len(manifest.layout)))
 
 
 def local_build(settings):

@@ -441,9 +441,7 @@ class DistributedCachedDataset(Dataset[Any]):
         idx: np.ndarray,
         started: float,
     ) -> None:
-        before = dict(reader.counts)
-        reader.count(chunk_ids, idx)
-        delta = {k: reader.counts[k] - before[k] for k in reader.counts}
+        delta = reader.count(chunk_ids, idx)
         self._counts["hits"] += delta["local"] + delta["peer"]
         self._counts["misses"] += delta["source"]
         self._counts["remote_reads"] += delta["source"]

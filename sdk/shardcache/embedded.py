@@ -205,7 +205,9 @@ def attach_ray(address: str | None, *, namespace: str | None = None) -> None:
         ray.init(address="auto", **kwargs)
 
 
-def start_loopback_cluster(nodes: int, object_store_bytes: int) -> Any:
+def start_loopback_cluster(
+    nodes: int, object_store_bytes: int, cpus_per_node: int = 2
+) -> Any:
     """Start ``nodes`` Ray nodes on 127.0.0.1 (``ray.cluster_utils.Cluster``).
 
     Node ``i`` carries the custom resource ``node{i}``, so actors can be placed
@@ -216,7 +218,7 @@ def start_loopback_cluster(nodes: int, object_store_bytes: int) -> Any:
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     node_args = {
-        "num_cpus": 2,
+        "num_cpus": cpus_per_node,
         "object_store_memory": object_store_bytes,
         "node_ip_address": "127.0.0.1",
     }

@@ -11,14 +11,18 @@ anonymous memory does not grow with the dataset.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from shardcache.chunks import ChunkLayout, plan_chunks
 
-__all__ = ["Manifest", "chunk_key", "sample_hash"]
+__all__ = ["ChunkItem", "Manifest", "chunk_key", "sample_hash"]
+
+ChunkItem = tuple[
+    str, str, int
+]  # (chunk key, version, source bytes): what a store is asked
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -163,6 +167,24 @@ class Manifest:
         positions = _mix(np.arange(1, len(self) + 1, dtype=np.uint64))
         mixed = _mix(self.hashes ^ positions)
         return np.bitwise_xor.reduceat(mixed, layout.starts[:-1])
+
+    def chunk_items(
+        self, chunks: Iterable[int], versions: np.ndarray | None = None
+    ) -> list[ChunkItem]:
+        """What a reader asks a store for, per chunk; ``versions`` from
+        :meth:`chunk_versions` when the caller keeps them (per-batch use)."""
+        layout = self.layout
+        if versions is None:
+            versions = self.chunk_versions(layout)
+        starts = layout.starts
+        return [
+            (
+                chunk_key(c),
+                f"{int(versions[c]):016x}",
+                int(self.sizes[starts[c] : starts[c + 1]].sum()),
+            )
+            for c in chunks
+        ]
 
     def changed_rows(self, lo: int, hi: int, old_hashes: np.ndarray) -> np.ndarray:
         """Rows of chunk ``[lo, hi)`` whose member differs from ``old_hashes``."""

@@ -23,7 +23,7 @@ from shardcache import errors
 from shardcache.chunks import PLAIN_FIELD, Chunk, batch_shape, gather
 from shardcache.client import CacheClient
 from shardcache.errors import BackendError, ShardCacheError, StaleVersionError
-from shardcache.manifest import Manifest, chunk_key
+from shardcache.manifest import Manifest
 
 __all__ = ["ChunkReader"]
 
@@ -148,13 +148,18 @@ class ChunkReader:
             found.update(self._resolve(missing, self.generation))
         return found
 
-    def count(self, chunk_ids: np.ndarray, indices: np.ndarray) -> None:
-        """Count delivered samples by where their chunk came from (per chunk)."""
+    def count(self, chunk_ids: np.ndarray, indices: np.ndarray) -> dict[str, int]:
+        """Count one batch's samples by where their chunk came from (per chunk);
+        returns this batch's counts and adds them to the running ``counts``."""
         sizes = self.manifest.sizes[indices]
+        batch = dict.fromkeys(self.counts, 0)
         for c, n, nbytes in _per_chunk(chunk_ids, sizes):
             origin = self._origin.get(c, "local")
-            self.counts[origin] += n
-            self.counts[f"{origin}_bytes"] += nbytes
+            batch[origin] += n
+            batch[f"{origin}_bytes"] += nbytes
+        for key, value in batch.items():
+            self.counts[key] += value
+        return batch
 
     def collate(
         self,
@@ -227,14 +232,7 @@ class ChunkReader:
     def _resolve(self, chunks: list[int], generation: int) -> dict[int, Chunk]:
         import ray
 
-        items = [
-            (
-                chunk_key(c),
-                f"{int(self.versions[c]):016x}",
-                int(self.manifest.sizes[slice(*self.layout.bounds(c))].sum()),
-            )
-            for c in chunks
-        ]
+        items = self.manifest.chunk_items(chunks, self.versions)
         for attempt in range(2):
             results = self.client.get_refs(self.name, generation, items, self.digest)
             try:

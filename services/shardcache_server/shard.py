@@ -32,7 +32,7 @@ from shardcache.errors import (
     StaleVersionError,
 )
 from shardcache.index import RedisIndex
-from shardcache.manifest import Manifest, chunk_key
+from shardcache.manifest import Manifest
 from shardcache_server.builder import BuildRequest, RayChunkBuilder
 from shardcache_server.eviction import make_policy
 from shardcache_server.listing import Listings, RayLister, list_in_thread
@@ -311,10 +311,9 @@ class CacheShard:
             )
             generation = await asyncio.to_thread(self._index.generation, name)
             if generation > 0:
-                versions = manifest.chunk_versions(layout)
                 current = {
-                    chunk_key(c): f"{int(v):016x}"
-                    for c, v in enumerate(versions.tolist())
+                    key: version
+                    for key, version, _ in manifest.chunk_items(range(len(layout)))
                 }
                 await asyncio.to_thread(
                     self._index.invalidate_changed, name, generation, current
@@ -647,12 +646,13 @@ class CacheShard:
                 "the rank and the store read different listings. Call refresh()."
             )
         lo, hi = layout.bounds(index)
+        # Rebuild from ``base`` when it has this chunk's rows and some are unchanged.
         changed: list[int] = []
+        base_ref = None
         if base is not None and len(base.hashes) == hi - lo:
             changed = ds.manifest.changed_rows(lo, hi, base.hashes).tolist()
-        reuse = (
-            base is not None and len(base.hashes) == hi - lo and len(changed) < hi - lo
-        )
+            if len(changed) < hi - lo:
+                base_ref = base.ref
         held = self._listings.held(ds.name, ds.digest)
         req = BuildRequest(
             ds.name,
@@ -663,7 +663,7 @@ class CacheShard:
             hi,
             ds.preprocess,
             ds.target,
-            base.ref if reuse and base is not None else None,
+            base_ref,
             changed,
         )
         return await self._build(req)

@@ -16,7 +16,7 @@ from shardcache.embedded import attach_ray, local_redis_url
 from shardcache.errors import ShardUnavailable
 from shardcache.fingerprint import fingerprint
 from shardcache.index import RedisIndex
-from shardcache.manifest import Manifest, chunk_key
+from shardcache.manifest import Manifest
 from shardcache.sharding import assign_chunks
 from shardcache_server.cluster import ensure_stores
 from shardcache_server.preprocess import get_preprocessor
@@ -80,15 +80,11 @@ def warm_dataset(
     spec.update(generation=generation, manifest=digest)
     _unwrap(lambda: ray.get([h.register.remote(spec, fn) for h in handles.values()]))
     layout = manifest.layout
-    versions = manifest.chunk_versions(layout)
     sizes = layout.sizes()
     shards = assign_chunks(sizes, len(nodes))
     counts = {"fetched": 0, "already_cached": 0, "errors": 0}
     first_error: tuple[str, str] | None = None
-    items = [
-        (chunk_key(c), f"{int(versions[c]):016x}", int(sizes[c]))
-        for c in range(len(layout))
-    ]
+    items = manifest.chunk_items(range(len(layout)))
     with Progress(
         "[progress.description]{task.description}",
         BarColumn(),

@@ -10,7 +10,7 @@ import numpy as np
 
 from shardcache.chunks import Chunk
 from shardcache.decoders import raw_bytes
-from shardcache.manifest import Manifest, chunk_key
+from shardcache.manifest import Manifest
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.shard import CacheShard
 
@@ -43,9 +43,7 @@ def _shard(cfg):
 
 
 def _items(manifest: Manifest):
-    layout = manifest.layout
-    versions = manifest.chunk_versions(layout)
-    return [(chunk_key(c), f"{int(versions[c]):016x}", 0) for c in range(len(layout))]
+    return manifest.chunk_items(range(len(manifest.layout)))
 
 
 def _samples(result) -> list[bytes]:
