@@ -8,12 +8,15 @@
   + PreprocessError(ShardCacheError)           the user's preprocess raised or returned a non-array
   + TransformError(ShardCacheError)            the user's per-sample transform raised
   + CollateError(ShardCacheError, ValueError)  a batch's samples cannot form one tensor
+  + ChunkFileError(ShardCacheError)            a chunk file is missing, corrupt or unstorable
+  + SourceFormatError(ShardCacheError, ValueError)  a packed source file is not valid in its format
   + BackendError(ShardCacheError)              wraps redis / botocore / ray errors (see __cause__)
     - IndexUnavailable                         Redis unreachable, wrong password, bad URL
     - RemoteFetchError                         the object source failed after retries
       . SourceNotFound(RemoteFetchError, FileNotFoundError)
       . CorruptObjectError                     size or checksum differs from the listing
     - ShardUnavailable                         a cache store actor is gone or Ray is down
+      . EndpointUnavailable                    no node-local endpoint is reachable from this pod
 
 Mixing in the builtin lets callers keep writing ``except KeyError`` or
 ``except ValueError`` (redis-py does the same with ``LockError``).
@@ -24,15 +27,18 @@ from __future__ import annotations
 __all__ = [
     "BackendError",
     "CacheMiss",
+    "ChunkFileError",
     "CollateError",
     "ConfigError",
     "CorruptObjectError",
     "EmptyDatasetError",
+    "EndpointUnavailable",
     "IndexUnavailable",
     "PreprocessError",
     "RemoteFetchError",
     "ShardCacheError",
     "ShardUnavailable",
+    "SourceFormatError",
     "SourceNotFound",
     "StaleVersionError",
     "TransformError",
@@ -71,6 +77,14 @@ class CollateError(ShardCacheError, ValueError):
     """Samples of one batch differ in shape, so they cannot be one batch tensor."""
 
 
+class ChunkFileError(ShardCacheError):
+    """A chunk file cannot be written or read back (named in the message)."""
+
+
+class SourceFormatError(ShardCacheError, ValueError):
+    """A packed source file (tar, Parquet, HDF5, LMDB, .npy) is not valid in its format."""
+
+
 class BackendError(ShardCacheError):
     """A dependency (Redis, the object source, Ray) failed; see ``__cause__``."""
 
@@ -93,3 +107,7 @@ class CorruptObjectError(RemoteFetchError):
 
 class ShardUnavailable(BackendError):
     """A cache store actor is unreachable or Ray is not running."""
+
+
+class EndpointUnavailable(ShardUnavailable):
+    """No node-local cache endpoint is reachable (the message names the node and mount)."""
