@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
 from shardcache.client import CacheClient
 from shardcache.config import ClientConfig
-from shardcache.decoders import raw_bytes
+from shardcache.decoders import as_arrays, raw_bytes
 from shardcache.errors import (
     ConfigError,
     IndexUnavailable,
@@ -28,6 +28,7 @@ from shardcache.fingerprint import fingerprint
 from shardcache.keys import validate_name
 from shardcache.loader import BatchLoader
 from shardcache.manifest import Manifest
+from shardcache.packed_manifest import PackedManifest, format_of
 from shardcache.reader import ChunkReader
 from shardcache.sampler import ShardSampler
 from shardcache.source import open_remote
@@ -38,6 +39,7 @@ from shardcache.world import World
 __all__ = ["DistributedCachedDataset"]
 
 RANK_REPORT_EVERY = 50  # batches between best-effort rank reports to Redis
+DEFAULT_DATASET_CHUNK_SAMPLES = 256  # from_dataset: sample sizes are unknown at listing
 CONSISTENCY_MODES = ("epoch", "batch")  # when a rank picks up a new generation
 # Arrays from the Ray object store are read-only views of shared memory; torch
 # warns about each one. The dataset documents the contract instead.
@@ -57,6 +59,23 @@ def default_name(urls: str | Sequence[str]) -> str:
         or "data"
     )
     return f"{words}-{hashlib.sha256(first.encode()).hexdigest()[:8]}"
+
+
+def _is_tuple_sample(sample: Any) -> bool:
+    """A dict whose fields are ``"(0)"``, ``"(1)"``...: a tuple a Dataset returned."""
+    return (
+        isinstance(sample, dict)
+        and bool(sample)
+        and all(
+            isinstance(k, str) and k.startswith("(") and k.endswith(")") for k in sample
+        )
+    )
+
+
+def _as_tuple(sample: Any) -> Any:
+    if not _is_tuple_sample(sample):
+        return sample
+    return tuple(sample[f"({i})"] for i in range(len(sample)))
 
 
 def _protocol(urls: str | Sequence[str], storage_options: dict[str, Any]) -> str:
@@ -89,6 +108,16 @@ class DistributedCachedDataset(Dataset[Any]):
             with ImageFolder).
 
     How it is cached:
+        format: a packed source (``"tar"``, ``"parquet"``, ``"hdf5"``,
+            ``"lmdb"``, ``"npy"``, or one registered on the cluster), read
+            in place with no conversion: many samples per file, the stores
+            open the files and ranks never do. Defaults to the format the
+            URL's extension names (``*.tar``...), else one object per sample.
+            Packed samples are bytes (tar: ``{ext: bytes}``), rows (Parquet:
+            ``{column: value}``) or arrays (HDF5, .npy); ``preprocess`` may
+            take ``(sample, key)`` and defaults to converting them to arrays.
+        format_options: per format: ``{"columns": [...]}`` (Parquet),
+            ``{"datasets": [...]}`` (HDF5).
         chunk_bytes, chunk_samples: a chunk (the unit of caching, one Ray
             object, one index entry) is a run of consecutive objects of at
             most ``chunk_samples`` objects and about ``chunk_bytes`` source
@@ -147,6 +176,10 @@ class DistributedCachedDataset(Dataset[Any]):
         consistency: str = "epoch",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         chunk_samples: int = DEFAULT_CHUNK_SAMPLES,
+        format: str | None = None,  # noqa: A002 (the word users know)
+        format_options: dict[str, Any] | None = None,
+        source_dataset: Any = None,
+        source_version: str | None = None,
     ):
         for label, fn in (
             ("preprocess", preprocess),
@@ -190,7 +223,10 @@ class DistributedCachedDataset(Dataset[Any]):
             validate_name("name", name) if name is not None else default_name(urls)
         )
         self.urls, self.storage_options = urls, dict(storage_options or {})
-        self.preprocess = preprocess or raw_bytes
+        self.format = format or (
+            None if source_dataset is not None else format_of(urls)
+        )
+        self.preprocess = preprocess or (as_arrays if self.format else raw_bytes)
         self.transform = transform
         self.target = target
         self.job = (
@@ -202,11 +238,21 @@ class DistributedCachedDataset(Dataset[Any]):
         self._spec = {
             "name": self.name,
             "urls": urls if isinstance(urls, str) else list(urls),
-            "protocol": _protocol(urls, self.storage_options),
+            "protocol": "dataset"
+            if source_dataset is not None
+            else _protocol(urls, self.storage_options),
             "storage_options": self.storage_options,
             "chunk_bytes": chunk_bytes,
             "chunk_samples": chunk_samples,
         }
+        if self.format:
+            self._spec.update(format=self.format, format_options=format_options or {})
+        if source_dataset is not None:
+            self._spec.update(
+                format="dataset",
+                source_object=source_dataset,
+                source_version=source_version or "",
+            )
         self.fingerprint = fingerprint(self.preprocess) + (
             f"+target:{fingerprint(target)}" if target is not None else ""
         )
@@ -224,6 +270,57 @@ class DistributedCachedDataset(Dataset[Any]):
         self.generation = self._register_in_index()
         self._refreshes = 0
         self._reset_process_state()
+
+    @classmethod
+    def from_dataset(
+        cls,
+        dataset: Any,
+        *,
+        name: str,
+        version: str | None = None,
+        chunk_samples: int = DEFAULT_DATASET_CHUNK_SAMPLES,
+        **kwargs: Any,
+    ) -> DistributedCachedDataset:
+        """Cache an existing map-style Dataset: its ``__getitem__`` runs on the
+        cluster, once per index per cluster; ranks read the cached results.
+
+        The Dataset object is shipped to the cache's build workers (through
+        Ray, so it must pickle with cloudpickle; open files or DB handles
+        must be opened lazily inside ``__getitem__``). Samples may be arrays,
+        tensors, numbers, bytes, or a tuple/dict of them (a tuple comes back
+        a tuple). ``version`` defaults to a fingerprint of the class's code
+        and state; pass one when the data changes under an unchanged object.
+
+        Raises:
+            ConfigError: the Dataset cannot be pickled or has no ``__len__``.
+
+        >>> # ds = DistributedCachedDataset.from_dataset(MyImages(root), name="imgs")
+        """
+        from ray import cloudpickle
+
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            raise ConfigError(
+                f"from_dataset needs a map-style Dataset with __getitem__ and __len__, "
+                f"got {type(dataset).__name__}."
+            )
+        try:
+            cloudpickle.dumps(dataset)
+        except Exception as exc:  # whatever pickling raises names the culprit
+            raise ConfigError(
+                f"{type(dataset).__name__} cannot be pickled ({type(exc).__name__}: "
+                f"{exc}), so it cannot be sent to the cache workers. Open files, "
+                "sockets or database handles lazily inside __getitem__ instead of "
+                "in __init__ (or drop them in __getstate__)."
+            ) from exc
+        return cls(
+            f"dataset://{name}",
+            kwargs.pop("preprocess", None) or as_arrays,
+            name=name,
+            chunk_samples=chunk_samples,
+            source_dataset=dataset,
+            source_version=version or fingerprint(dataset),
+            **kwargs,
+        )
 
     # -- setup --------------------------------------------------------------------
     @staticmethod
@@ -359,6 +456,8 @@ class DistributedCachedDataset(Dataset[Any]):
                 chunk_ids.tolist(), rows.tolist(), idx.tolist(), strict=True
             )
         ]
+        if samples and _is_tuple_sample(samples[0]):
+            samples = [_as_tuple(s) for s in samples]
         if self.transform is not None:
             samples = [
                 self._call_transform(i, s)
@@ -378,9 +477,11 @@ class DistributedCachedDataset(Dataset[Any]):
         reader, chunks, chunk_ids, rows, idx, started = self._fetch(indices)
         if self.transform is None:
             batch = reader.collate(chunks, chunk_ids, rows, idx, pin_memory)
+            if _is_tuple_sample(batch):
+                batch = _as_tuple(batch)
         else:
             samples = [
-                self._call_transform(i, reader.sample(chunks[c], r, i))
+                self._call_transform(i, _as_tuple(reader.sample(chunks[c], r, i)))
                 for c, r, i in zip(
                     chunk_ids.tolist(), rows.tolist(), idx.tolist(), strict=True
                 )
@@ -572,6 +673,8 @@ class DistributedCachedDataset(Dataset[Any]):
         ref, digest = self._client.manifest(self._spec, token)
         manifest = self._map_manifest(ref)
         old = self.manifest if self.manifest is not None else self._attach().manifest
+        if isinstance(manifest, PackedManifest):
+            return self._refresh_packed(old, manifest, digest)
         if not (
             np.array_equal(
                 old.columns["name_offsets"], manifest.columns["name_offsets"]
@@ -591,6 +694,25 @@ class DistributedCachedDataset(Dataset[Any]):
             self._reader.drop_chunks(stale_chunks.tolist())
             self._client.register(self._store_spec(), self.preprocess, self.target)
         return [manifest.url(int(i)) for i in changed]
+
+    def _refresh_packed(
+        self, old: Any, manifest: PackedManifest, digest: str
+    ) -> list[str]:
+        if not np.array_equal(old.layout.starts, manifest.layout.starts):
+            raise ConfigError(
+                f"the samples under {self.urls!r} changed in number or place "
+                f"({len(old)} -> {len(manifest)}); build a new "
+                "DistributedCachedDataset so every rank agrees on the shards."
+            )
+        stale = np.flatnonzero(
+            old.chunk_versions(old.layout) != manifest.chunk_versions(manifest.layout)
+        )
+        self.manifest, self.digest = manifest, digest
+        if self._reader is not None:
+            self._reader.set_manifest(manifest, digest)
+            self._reader.drop_chunks(stale.tolist())
+            self._client.register(self._store_spec(), self.preprocess, self.target)
+        return manifest.changed_files(old)
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Where this rank is; ``consumed`` overrides the count seen by this process

@@ -8,10 +8,11 @@
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import numpy as np
 
-__all__ = ["decode_image", "decode_image_chw", "raw_bytes"]
+__all__ = ["as_arrays", "decode_image", "decode_image_chw", "raw_bytes"]
 
 
 def raw_bytes(data: bytes) -> np.ndarray:
@@ -33,3 +34,30 @@ def decode_image_chw(data: bytes) -> np.ndarray:
         np.ascontiguousarray(decode_image(data).transpose(2, 0, 1), dtype=np.float32)
         / 255.0
     )
+
+
+def as_arrays(sample: Any, key: str = "") -> Any:
+    """A packed sample as arrays, unchanged otherwise (the default preprocess of
+    packed formats): bytes become uint8, strings their UTF-8 bytes, numbers
+    0-d arrays, a dict (tar members, a Parquet row) a dict of them, and a
+    tuple or list (what a map-style Dataset returns) fields ``"(0)"``,
+    ``"(1)"``..., which the rank turns back into a tuple.
+
+    >>> as_arrays({"cls": b"7", "n": 3})["n"].shape, sorted(as_arrays((1, 2)))
+    ((), ['(0)', '(1)'])
+    """
+    if isinstance(sample, dict):
+        return {str(k): _as_array(v) for k, v in sample.items()}
+    if isinstance(sample, tuple | list):
+        return {f"({i})": _as_array(v) for i, v in enumerate(sample)}
+    return _as_array(sample)
+
+
+def _as_array(value: Any) -> Any:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return np.frombuffer(value, dtype=np.uint8).copy()
+    if isinstance(value, str):
+        return np.frombuffer(value.encode(), dtype=np.uint8).copy()
+    if type(value).__module__.startswith("torch"):
+        return value.detach().cpu().contiguous().numpy()
+    return np.asarray(value)

@@ -107,6 +107,13 @@ class Manifest:
 
     @classmethod
     def from_object(cls, obj: dict[str, Any]) -> Manifest:
+        """Map a published manifest; a packed one (it names its ``format``)
+        comes back as a :class:`~shardcache.packed_manifest.PackedManifest`,
+        which answers the same questions per chunk."""
+        if "format" in obj:
+            from shardcache.packed_manifest import PackedManifest
+
+            return PackedManifest.from_object(obj)  # type: ignore[return-value]
         columns = {k: v for k, v in obj.items() if k != "protocol"}
         return cls(str(obj["protocol"]), columns)
 
@@ -185,6 +192,19 @@ class Manifest:
             )
             for c in chunks
         ]
+
+    def chunk_source_bytes(self, chunk: int) -> int:
+        lo, hi = self.layout.bounds(chunk)
+        return int(self.sizes[lo:hi].sum())
+
+    def sample_bytes(self, indices: np.ndarray, chunk_ids: np.ndarray) -> np.ndarray:
+        """Source bytes of each sample (``chunk_ids``: their chunks, unused here)."""
+        return self.sizes[indices]
+
+    def row_hashes(self, lo: int, hi: int) -> np.ndarray:
+        """The identity of rows ``lo`` to ``hi``, kept with a built chunk so that
+        a rebuild re-reads only the rows that changed."""
+        return self.hashes[lo:hi]
 
     def changed_rows(self, lo: int, hi: int, old_hashes: np.ndarray) -> np.ndarray:
         """Rows of chunk ``[lo, hi)`` whose member differs from ``old_hashes``."""

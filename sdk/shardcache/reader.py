@@ -151,7 +151,7 @@ class ChunkReader:
     def count(self, chunk_ids: np.ndarray, indices: np.ndarray) -> dict[str, int]:
         """Count one batch's samples by where their chunk came from (per chunk);
         returns this batch's counts and adds them to the running ``counts``."""
-        sizes = self.manifest.sizes[indices]
+        sizes = self.manifest.sample_bytes(indices, chunk_ids)
         batch = dict.fromkeys(self.counts, 0)
         for c, n, nbytes in _per_chunk(chunk_ids, sizes):
             origin = self._origin.get(c, "local")

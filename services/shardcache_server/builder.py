@@ -27,7 +27,9 @@ from shardcache.errors import (
     SourceNotFound,
 )
 from shardcache.manifest import Manifest
+from shardcache.packed_manifest import PackedManifest
 from shardcache_server.fetch import Fetcher
+from shardcache_server.packed_build import build_unit
 from shardcache_server.preprocess import run_preprocess
 from shardcache_server.settings import ServiceSettings
 
@@ -56,6 +58,7 @@ class BuildRequest:
     target: Callable[[str], Any] | None = None
     base: Any = None  # the earlier chunk's columns (or its ObjectRef, under Ray)
     changed: list[int] = field(default_factory=list)
+    source: Any = None  # a user's map-style Dataset (packed format "dataset")
 
 
 # One Fetcher and one event loop per worker process, reused by every build:
@@ -173,7 +176,18 @@ def build_members(
     member does not fail the chunk: its row is marked and the rest is served.
     """
     started = time.perf_counter()
-    members = Manifest.from_object(req.manifest).members(req.lo, req.hi)
+    manifest = Manifest.from_object(req.manifest)
+    if isinstance(manifest, PackedManifest):
+        chunk = int(np.searchsorted(manifest.layout.starts, req.lo, side="right") - 1)
+        return build_unit(
+            manifest,
+            chunk,
+            req.preprocess,
+            req.target,
+            req.storage_options,
+            req.source,
+        )
+    members = manifest.members(req.lo, req.hi)
     reuse = (
         set(range(len(members))) - set(req.changed) if req.base is not None else set()
     )

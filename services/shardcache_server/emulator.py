@@ -123,6 +123,7 @@ class S3Emulator:
         self.host = host
         self.port = port
         self.gets: Counter[str] = Counter()
+        self.get_bytes: Counter[str] = Counter()  # body bytes sent per object
         self.get_times: list[float] = []  # monotonic arrival time of every object GET
         self.requests = 0
         self.lists = 0  # ListObjectsV2 requests (pages)
@@ -179,6 +180,7 @@ class S3Emulator:
     def reset_counts(self) -> None:
         with self._lock:
             self.gets.clear()
+            self.get_bytes.clear()
             self.get_times.clear()
             self.requests = 0
             self.lists = 0
@@ -192,6 +194,10 @@ class S3Emulator:
     @property
     def total_gets(self) -> int:
         return sum(self.gets.values())
+
+    @property
+    def total_get_bytes(self) -> int:
+        return sum(self.get_bytes.values())
 
     def _metered(
         self, app: Callable[[Environ, StartResponse], Iterable[bytes]]
@@ -260,10 +266,22 @@ class S3Emulator:
             if truncate:
                 return self._truncated(app, environ, start_response)
             if plan.bandwidth_bytes_per_s:
-                return _paced(app(environ, start_response), plan.bandwidth_bytes_per_s)
-            return app(environ, start_response)
+                body = _paced(app(environ, start_response), plan.bandwidth_bytes_per_s)
+            else:
+                body = app(environ, start_response)
+            return self._counted(body, unquote(path))
 
         return middleware
+
+    def _counted(self, body: Iterable[bytes], path: str) -> Iterator[bytes]:
+        sent = 0
+        try:
+            for part in body:
+                sent += len(part)
+                yield part
+        finally:
+            with self._lock:
+                self.get_bytes[path] += sent
 
     def _truncated(
         self,

@@ -22,6 +22,7 @@ import numpy as np
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
 from shardcache.manifest import Manifest
 from shardcache.source import list_source
+from shardcache_server.packed_listing import list_packed
 
 __all__ = [
     "REFRESH_TOKEN_TTL_S",
@@ -42,9 +43,11 @@ def list_with_layout(spec: dict[str, Any], previous: Manifest | None) -> Manifes
     changed object changes only its own chunk's version (a new size must
     not move every later chunk boundary).
     """
+    if spec.get("format"):
+        return list_packed(spec, previous)  # type: ignore[return-value]
     manifest = list_source(spec["urls"], spec.get("storage_options") or {})
     if (
-        previous is not None
+        isinstance(previous, Manifest)
         and "chunk_starts" in previous.columns
         and np.array_equal(
             previous.columns["name_offsets"], manifest.columns["name_offsets"]

@@ -80,6 +80,7 @@ class _Dataset:
     digest: str
     target: Callable[[str], Any] | None = None
     urls: Any = ""  # the source (prefix, glob or list), to list it again
+    source: Any = None  # a user's map-style Dataset (``from_dataset``), via Ray
 
 
 class CacheShard:
@@ -204,6 +205,7 @@ class CacheShard:
             spec["manifest"],
             target,
             spec.get("urls", ""),
+            spec.get("source_object"),
         )
         return self._generation[name]
 
@@ -625,9 +627,9 @@ class CacheShard:
                 version,
                 generation,
                 report["nbytes"],
-                ds.manifest.hashes[lo:hi].copy(),
+                ds.manifest.row_hashes(lo, hi).copy(),
             ),
-            int(ds.manifest.sizes[lo:hi].sum()),
+            ds.manifest.chunk_source_bytes(_chunk_index(chunk)),
         )
         # "uncached" tells the reader not to hold on to the value: the budget is
         # full (static policy, or a chunk larger than the whole budget).
@@ -665,6 +667,7 @@ class CacheShard:
             ds.target,
             base_ref,
             changed,
+            ds.source,
         )
         return await self._build(req)
 

@@ -1,0 +1,97 @@
+"""What a source format does: list a file into units, read a unit's samples.
+
+A format never sees the cache: it turns one file into
+:class:`~shardcache.packed_manifest.FileUnits` at listing time (reading only
+what it must: a Parquet footer, an HDF5 header, a .npy header, a tar's
+member headers) and, at build time, reads the samples of one unit with
+ranged reads through fsspec. Both run on the cluster side, in store tasks:
+no rank and no DataLoader worker ever opens a source file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shardcache.packed_manifest import FileUnits
+
+__all__ = ["SourceFile", "SourceFormat", "UnitRequest", "cut_rows"]
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One listed file: where it is and which version the listing saw."""
+
+    fs: Any  # an fsspec filesystem
+    path: str
+    url: str
+    etag: str
+    size: int
+
+
+@dataclass(frozen=True)
+class UnitRequest:
+    """One unit to read: rows (or a byte span) ``lo`` to ``hi`` of ``file``."""
+
+    file: SourceFile
+    lo: int
+    hi: int
+    keys: list[bytes]  # the listed sample keys (tar, LMDB), else empty
+    meta: bytes  # what the listing kept about the file (a Parquet footer)
+    options: dict[str, Any]
+
+
+class SourceFormat:
+    """Base class of a format: override ``list_file`` and ``read_samples``.
+
+    ``read_columns`` is the fast path for formats whose samples are rows of
+    arrays: when the user kept the default preprocess, a unit becomes its
+    chunk's columns with one ranged read and one copy, no Python per sample.
+    """
+
+    name = ""
+    extensions: tuple[str, ...] = ()
+
+    def list_file(
+        self,
+        file: SourceFile,
+        options: dict[str, Any],
+        chunk_samples: int,
+        chunk_bytes: int,
+    ) -> tuple[FileUnits, bytes]:
+        """The file's units, and bytes to keep for its reads (or ``b""``)."""
+        raise NotImplementedError
+
+    def read_samples(self, unit: UnitRequest) -> list[tuple[str, Any]]:
+        """``(key, raw sample)`` for every sample of the unit, in order."""
+        raise NotImplementedError
+
+    def stacks_columns(self, unit: UnitRequest) -> bool:
+        """Whether :meth:`read_columns` can serve ``unit`` (decided without a read)."""
+        return False
+
+    def read_columns(self, unit: UnitRequest) -> dict[str, np.ndarray] | None:
+        """The unit's rows stacked per field, or None when they turn out not to
+        be (then the builder reads samples instead)."""
+        return None
+
+
+def cut_rows(
+    rows: int, row_bytes: float, chunk_samples: int, chunk_bytes: int, start: int = 0
+) -> tuple[list[tuple[int, int]], list[int], list[int]]:
+    """Cut ``rows`` rows starting at ``start`` into units of at most
+    ``chunk_samples`` rows and about ``chunk_bytes`` bytes.
+
+    >>> cut_rows(10, 8, chunk_samples=4, chunk_bytes=10**6)
+    ([(0, 4), (4, 8), (8, 10)], [4, 4, 2], [32, 32, 16])
+    """
+    per_unit = max(1, min(chunk_samples, int(chunk_bytes // max(row_bytes, 1)) or 1))
+    bounds, samples, nbytes = [], [], []
+    for lo in range(start, start + rows, per_unit):
+        hi = min(lo + per_unit, start + rows)
+        bounds.append((lo, hi))
+        samples.append(hi - lo)
+        nbytes.append(int(round((hi - lo) * row_bytes)))
+    return bounds, samples, nbytes

@@ -1,0 +1,101 @@
+"""``.npy`` files: one big array, one sample per row along axis 0.
+
+The listing reads the header (the first few KiB); a unit is a slab of rows
+read with one ranged read, or sliced from a memory map when the file is local.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+
+from shardcache.errors import SourceFormatError
+from shardcache.packed_manifest import FORMAT_EXTENSIONS, FileUnits
+from shardcache_server.formats.base import (
+    SourceFile,
+    SourceFormat,
+    UnitRequest,
+    cut_rows,
+)
+
+__all__ = ["NpyFormat"]
+
+_HEADER_READ_BYTES = 1 << 16  # .npy headers are padded to a multiple of 64; tiny
+
+
+def _header(file: SourceFile) -> tuple[tuple[int, ...], np.dtype, int]:
+    head = file.fs.cat_file(file.path, start=0, end=min(file.size, _HEADER_READ_BYTES))
+    buf = io.BytesIO(head)
+    try:
+        version = np.lib.format.read_magic(buf)
+        read = (
+            np.lib.format.read_array_header_1_0
+            if version == (1, 0)
+            else np.lib.format.read_array_header_2_0
+        )
+        shape, fortran, dtype = read(buf)
+    except ValueError as exc:
+        raise SourceFormatError(f"{file.url} is not a valid .npy file: {exc}") from exc
+    if fortran and len(shape) > 1:
+        raise SourceFormatError(
+            f"{file.url} is a Fortran-ordered array; rows are not contiguous. Save it "
+            "with np.save(np.ascontiguousarray(a))."
+        )
+    if dtype.hasobject or not shape:
+        raise SourceFormatError(
+            f"{file.url} holds {'an object' if dtype.hasobject else 'a 0-d'} array; "
+            "a .npy source must be a numeric array with samples along axis 0."
+        )
+    offset = buf.tell()
+    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+    if offset + shape[0] * row_bytes > file.size:
+        raise SourceFormatError(
+            f"{file.url} is truncated: its header promises {shape[0]} rows of "
+            f"{row_bytes} bytes but the file has {file.size} bytes."
+        )
+    return tuple(shape), dtype, offset
+
+
+class NpyFormat(SourceFormat):
+    name = "npy"
+    extensions = FORMAT_EXTENSIONS["npy"]
+
+    def list_file(
+        self,
+        file: SourceFile,
+        options: dict[str, Any],
+        chunk_samples: int,
+        chunk_bytes: int,
+    ) -> tuple[FileUnits, bytes]:
+        shape, dtype, offset = _header(file)
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        bounds, samples, nbytes = cut_rows(
+            shape[0], row_bytes, chunk_samples, chunk_bytes
+        )
+        units = FileUnits(file.url, file.etag, file.size, bounds, samples, nbytes)
+        return units, f"{dtype.str}|{','.join(map(str, shape))}|{offset}".encode()
+
+    def stacks_columns(self, unit: UnitRequest) -> bool:
+        return True
+
+    def read_columns(self, unit: UnitRequest) -> dict[str, np.ndarray]:
+        dtype_text, shape_text, offset_text = unit.meta.decode().split("|")
+        dtype = np.dtype(dtype_text)
+        row_shape = tuple(int(s) for s in shape_text.split(",")[1:])
+        row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
+        start = int(offset_text) + unit.lo * row_bytes
+        end = int(offset_text) + unit.hi * row_bytes
+        data = unit.file.fs.cat_file(unit.file.path, start=start, end=end)
+        if len(data) != end - start:
+            raise SourceFormatError(
+                f"{unit.file.url} returned {len(data)} bytes for rows {unit.lo}-"
+                f"{unit.hi}, expected {end - start}: the file changed. Call refresh()."
+            )
+        rows = np.frombuffer(data, dtype=dtype).reshape((unit.hi - unit.lo, *row_shape))
+        return {"_": rows}  # read-only is fine: the task's return value is copied
+
+    def read_samples(self, unit: UnitRequest) -> list[tuple[str, Any]]:
+        rows = self.read_columns(unit)["_"]
+        return [(f"{unit.file.url}#{unit.lo + i}", rows[i]) for i in range(len(rows))]

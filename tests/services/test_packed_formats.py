@@ -1,0 +1,202 @@
+"""Packed formats read in place (files written by tarfile, pyarrow, h5py, lmdb,
+numpy): every sample equals its source, bytes are read once, a rewritten
+file changes only its own units, and a bad file is a SourceFormatError
+naming it."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+from packed_files import parquet_bytes, tar_bytes, write_hdf5, write_lmdb, write_npy
+
+from shardcache.chunks import Chunk
+from shardcache.decoders import as_arrays
+from shardcache.errors import ConfigError, SourceFormatError
+from shardcache_server.packed_build import build_unit
+from shardcache_server.packed_listing import list_packed
+
+
+def _spec(url, fmt, chunk_samples=8, **extra):
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    return {
+        "name": "t",
+        "urls": url,
+        "format": fmt,
+        "protocol": protocol,
+        "chunk_samples": chunk_samples,
+        **extra,
+    }
+
+
+def _samples(manifest, preprocess=as_arrays, target=None, storage_options=None):
+    out = []
+    for c in range(len(manifest.layout)):
+        columns, report = build_unit(
+            manifest, c, preprocess, target, storage_options or {}
+        )
+        assert report["errors"] == {}
+        chunk = Chunk(columns)
+        out += [chunk.sample(r) for r in range(len(chunk))]
+    return out
+
+
+def _local_files(tmp_path):
+    (tmp_path / "a.tar").write_bytes(tar_bytes(25))
+    (tmp_path / "b.parquet").write_bytes(parquet_bytes(30, row_group=7))
+    write_hdf5(tmp_path / "c.h5", 20)
+    write_lmdb(tmp_path / "e.lmdb", 15)
+    write_npy(tmp_path / "f.npy", 50)
+    return tmp_path
+
+
+def test_tar_samples_are_dicts_of_member_bytes_keyed_by_extension(tmp_path):
+    _local_files(tmp_path)
+    manifest = list_packed(_spec(str(tmp_path / "a.tar"), "tar"), None)
+    assert len(manifest) == 25 and len(manifest.layout) == 4
+    samples = _samples(manifest)
+    for i, s in enumerate(samples):
+        assert (
+            bytes(s["bin"]) == bytes([i]) * 100 and bytes(s["cls"]) == str(i).encode()
+        )
+    assert manifest.url(3).endswith("a.tar#train/000003")
+
+
+def test_parquet_rows_keep_numeric_dtypes_and_columns_are_selectable(tmp_path):
+    _local_files(tmp_path)
+    url = str(tmp_path / "b.parquet")
+    samples = _samples(list_packed(_spec(url, "parquet"), None))
+    assert [int(s["id"]) for s in samples] == list(range(30))
+    assert all(
+        s["x"].dtype == np.float32 and float(s["x"]) == 2 * i
+        for i, s in enumerate(samples)
+    )
+    assert bytes(samples[4]["text"]) == b"row-4"
+    # Numeric columns only: the fast path stacks the row group's columns.
+    manifest = list_packed(
+        _spec(url, "parquet", format_options={"columns": ["id"]}), None
+    )
+    columns, _ = build_unit(manifest, 1, as_arrays, None, {})
+    assert columns["id"].tolist() == list(range(7, 14))  # one row group per unit
+    with pytest.raises(SourceFormatError, match="no column"):
+        list_packed(_spec(url, "parquet", format_options={"columns": ["nope"]}), None)
+
+
+def test_hdf5_npy_and_lmdb_rows_equal_the_source(tmp_path):
+    _local_files(tmp_path)
+    h5 = _samples(list_packed(_spec(str(tmp_path / "c.h5"), "hdf5"), None))
+    assert [s["x"].tolist() for s in h5] == np.arange(80).reshape(20, 4).tolist()
+    assert [int(s["y"]) for s in h5] == list(range(20))
+    only_y = list_packed(
+        _spec(str(tmp_path / "c.h5"), "hdf5", format_options={"datasets": ["y"]}), None
+    )
+    assert [int(s) for s in _samples(only_y)] == list(range(20))
+    npy = _samples(list_packed(_spec(str(tmp_path / "f.npy"), "npy"), None))
+    assert np.array_equal(np.stack(npy), np.arange(150, dtype=np.int32).reshape(50, 3))
+    db = list_packed(_spec(str(tmp_path / "e.lmdb"), "lmdb"), None)
+    assert [bytes(s) for s in _samples(db)] == [
+        f"value-{i}".encode() for i in range(15)
+    ]
+    assert db.url(2).endswith("e.lmdb#key-000002")
+
+
+def test_preprocess_and_target_receive_the_sample_key(tmp_path):
+    _local_files(tmp_path)
+    manifest = list_packed(_spec(str(tmp_path / "a.tar"), "tar"), None)
+
+    def label(sample, key):
+        return np.array([int(bytes(sample["cls"])), int(key.rsplit("/", 1)[-1])])
+
+    samples = _samples(manifest, preprocess=label)
+    assert all(s.tolist() == [i, i] for i, s in enumerate(samples))
+    columns, _ = build_unit(
+        manifest, 0, as_arrays, lambda key: int(key.rsplit("/", 1)[-1]), {}
+    )
+    assert columns["__target__"].tolist() == list(range(8))
+
+
+def test_bad_files_are_source_format_errors_naming_the_file(tmp_path):
+    data = tar_bytes(10, payload=2000)
+    (tmp_path / "cut.tar").write_bytes(data[: len(data) // 2 + 100])
+    with pytest.raises(SourceFormatError, match="cut.tar"):
+        list_packed(_spec(str(tmp_path / "cut.tar"), "tar"), None)
+    good = parquet_bytes(10, row_group=5)
+    (tmp_path / "bad.parquet").write_bytes(good[:-30] + b"\0" * 26 + b"PAR1")
+    with pytest.raises(SourceFormatError, match="bad.parquet"):
+        list_packed(_spec(str(tmp_path / "bad.parquet"), "parquet"), None)
+    write_hdf5(tmp_path / "c.h5", 5)
+    with pytest.raises(SourceFormatError, match=r"c\.h5 has no dataset.*'missing'"):
+        list_packed(
+            _spec(
+                str(tmp_path / "c.h5"), "hdf5", format_options={"datasets": ["missing"]}
+            ),
+            None,
+        )
+    (tmp_path / "fake.lmdb").mkdir()
+    (tmp_path / "fake.lmdb" / "data.mdb").write_bytes(b"this is not a database" * 100)
+    with pytest.raises(SourceFormatError, match="fake.lmdb"):
+        list_packed(_spec(str(tmp_path / "fake.lmdb"), "lmdb"), None)
+    with pytest.raises(ConfigError, match="unknown format 'zip'"):
+        list_packed(_spec(str(tmp_path / "c.h5"), "zip"), None)
+
+
+def test_rewritten_file_changes_only_its_own_units(tmp_path):
+    for i in range(3):
+        (tmp_path / f"s{i}.tar").write_bytes(tar_bytes(10, start=10 * i))
+    spec = _spec(str(tmp_path / "*.tar"), "tar", chunk_samples=5)
+    before = list_packed(spec, None)
+    (tmp_path / "s1.tar").write_bytes(tar_bytes(10, start=10, payload=101))
+    after = list_packed(spec, before)
+    changed = np.flatnonzero(
+        before.chunk_versions(before.layout) != after.chunk_versions(after.layout)
+    )
+    assert changed.tolist() == [2, 3]  # s1.tar's two units, nothing else
+    assert after.changed_files(before) == [str(tmp_path / "s1.tar")]
+
+
+def test_s3_tar_and_parquet_listing_reads_metadata_and_each_unit_once(
+    s3, s3fs_client, bucket
+):
+    s3fs_client.pipe(
+        {
+            f"{bucket}/tar/s0.tar": tar_bytes(20),
+            f"{bucket}/tar/s1.tar": tar_bytes(20, start=20),
+            f"{bucket}/pq/p0.parquet": parquet_bytes(40, row_group=10),
+        }
+    )
+    options = s3.storage_options()
+    s3.reset_counts()
+    pq = list_packed(
+        _spec(f"s3://{bucket}/pq/", "parquet", storage_options=options), None
+    )
+    listing_gets = s3.total_gets
+    assert listing_gets == 1  # the footer, in one ranged read
+    assert [int(s["id"]) for s in _samples(pq, storage_options=options)] == list(
+        range(40)
+    )
+    # One ranged read per unit; the footer came with the manifest.
+    assert s3.total_gets - listing_gets == len(pq.layout) == 8
+    s3.reset_counts()
+    tar = list_packed(
+        _spec(f"s3://{bucket}/tar/", "tar", storage_options=options), None
+    )
+    size = sum(len(tar_bytes(20, start=s)) for s in (0, 20))
+    listed_bytes = s3.total_get_bytes
+    samples = _samples(tar, storage_options=options)
+    assert [bytes(s["cls"]) for s in samples] == [str(i).encode() for i in range(40)]
+    # A tar has no index: the listing reads each shard once, then each unit
+    # is one ranged read of its own span (member data, never the end blocks).
+    assert listed_bytes == size
+    assert s3.total_get_bytes - listed_bytes <= size
+    assert sum(s3.gets.values()) == 2 + len(tar.layout)
+
+
+def test_lmdb_and_hdf5_files_that_vanish_fail_the_build_with_the_file_named(tmp_path):
+    write_lmdb(tmp_path / "e.lmdb", 6)
+    manifest = list_packed(_spec(str(tmp_path / "e.lmdb"), "lmdb"), None)
+    shutil.rmtree(tmp_path / "e.lmdb")
+    columns, report = build_unit(manifest, 0, as_arrays, None, {})
+    assert Chunk(columns).failed.all()
+    assert all(kind == "SourceFormatError" for kind, _ in report["errors"].values())
+    assert "e.lmdb" in report["errors"]["0"][1]
