@@ -281,6 +281,11 @@ def demo(
     epochs: int = typer.Option(3, min=1),
     ranks: int = typer.Option(2, min=1),
     batch_size: int = typer.Option(64, min=1),
+    format: str = typer.Option(  # noqa: A002
+        None,
+        help="pack the generated images as 'tar' (WebDataset shards), or the "
+        "format of --source (tar, parquet, hdf5, lmdb, npy)",
+    ),
 ) -> None:
     """2-rank DDP training through DistributedCachedDataset on embedded defaults."""
     from shardcache_server.demo import run_demo
@@ -293,6 +298,7 @@ def demo(
             ranks=ranks,
             batch_size=batch_size,
             console=console,
+            fmt=format,
         )
     raise typer.Exit(0 if ok else 1)
 

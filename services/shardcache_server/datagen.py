@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["make_image", "upload_images", "upload_blobs"]
+__all__ = ["make_image", "upload_blobs", "upload_image_shards", "upload_images"]
 
 
 def make_image(i: int, size: int = 32, fmt: str = "PNG", seed: int = 0) -> bytes:
@@ -45,3 +45,28 @@ def upload_blobs(
     paths = [f"{prefix.rstrip('/')}/blob-{i:06d}.bin" for i in range(count)]
     fs.pipe({p: rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes() for p in paths})
     return paths
+
+
+def upload_image_shards(
+    fs: Any, prefix: str, count: int, *, per_shard: int = 500, size: int = 32
+) -> list[str]:
+    """Write ``count`` PNG images as WebDataset tar shards under ``prefix``:
+    members ``img-000123-c7.png`` and ``img-000123-c7.cls`` per sample."""
+    import tarfile
+
+    shards = {}
+    for s, start in enumerate(range(0, count, per_shard)):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for i in range(start, min(start + per_shard, count)):
+                stem = f"img-{i:06d}-c{i % 10}"
+                for ext, data in (
+                    ("png", make_image(i, size)),
+                    ("cls", str(i % 10).encode()),
+                ):
+                    info = tarfile.TarInfo(f"{stem}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        shards[f"{prefix.rstrip('/')}/train-{s:04d}.tar"] = buf.getvalue()
+    fs.pipe(shards)
+    return sorted(shards)

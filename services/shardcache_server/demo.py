@@ -26,6 +26,13 @@ def label_from_url(url: str) -> int:
     return int(url.rsplit("-c", 1)[1].split(".", 1)[0])
 
 
+def decode_shard_image(sample: dict[str, Any]) -> Any:
+    """A WebDataset sample ``{"png": bytes, "cls": bytes}`` -> CHW float32 image."""
+    from shardcache.decoders import decode_image_chw
+
+    return decode_image_chw(sample["png"])
+
+
 def _emulator_gets(endpoint: str | None) -> int | None:
     if endpoint is None:
         return None
@@ -50,11 +57,12 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], out: Any) 
     )
     ds = DistributedCachedDataset(
         cfg["url"],
-        preprocess=decode_image_chw,
+        preprocess=decode_shard_image if cfg["format"] == "tar" else decode_image_chw,
+        format=cfg["format"],
         target=label_from_url if cfg["labels"] else None,
         storage_options=cfg["storage_options"],
         redis_url=cfg["redis_url"],
-        name="demo-images",
+        name=f"demo-images-{cfg['format']}" if cfg["format"] else "demo-images",
         job="demo",
     )
     # Collated batches gathered straight from the cached chunks (the fast
@@ -150,8 +158,16 @@ def run_demo(
     ranks: int,
     batch_size: int,
     console: Console,
+    fmt: str | None = None,
 ) -> bool:
     """Run the demo end to end; True when warm epochs made zero remote reads."""
+    if source is None and fmt not in (None, "tar"):
+        from shardcache.errors import ConfigError
+
+        raise ConfigError(
+            f"--format {fmt} needs --source: the generated images can be packed as "
+            "'tar' shards only."
+        )
     # Loopback only: Ray otherwise advertises the host's interface address.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
@@ -160,7 +176,7 @@ def run_demo(
     from shardcache.embedded import start_redis_server
     from shardcache.redaction import redact_url
     from shardcache_server.cluster import kill_stores
-    from shardcache_server.datagen import upload_images
+    from shardcache_server.datagen import upload_image_shards, upload_images
     from shardcache_server.emulator import S3Emulator
 
     with tempfile.TemporaryDirectory(prefix="shardcache-demo-") as tmp:
@@ -177,13 +193,19 @@ def run_demo(
                     skip_instance_cache=True, **emulator.storage_options()
                 )
                 fs.mkdir("demo")
+                packing = " as WebDataset tar shards" if fmt == "tar" else ""
                 with console.status(
-                    f"generating {images} PNG images in the S3 emulator"
+                    f"generating {images} PNG images{packing} in the S3 emulator"
                 ):
-                    upload_images(fs, "demo/train", images)
-                url, storage_options = "s3://demo/train/", emulator.storage_options()
+                    if fmt == "tar":
+                        upload_image_shards(fs, "demo/shards", images)
+                    else:
+                        upload_images(fs, "demo/train", images)
+                url = "s3://demo/shards/" if fmt == "tar" else "s3://demo/train/"
+                storage_options = emulator.storage_options()
                 console.print(
-                    f"S3 emulator at {emulator.endpoint_url} holds {images} images"
+                    f"S3 emulator at {emulator.endpoint_url} holds {images} "
+                    f"images{packing}"
                 )
             else:
                 url, storage_options = source, {}
@@ -212,6 +234,7 @@ def run_demo(
                 "batch_size": batch_size,
                 "endpoint": emulator.endpoint_url if emulator else None,
                 "labels": source is None,
+                "format": fmt,
             }
             ctx = mp.get_context("spawn")
             out = ctx.Queue()

@@ -123,3 +123,33 @@ def test_demo_main_job_runs_end_to_end(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "zero remote reads" in done.stdout
     assert "S3 GETs 64" in done.stdout and "S3 GETs 0" in done.stdout
+
+
+def test_demo_over_webdataset_tar_shards_reads_each_unit_once_then_never(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardcache_server.cli",
+            "demo",
+            "--format",
+            "tar",
+            "--images",
+            "64",
+            "--epochs",
+            "2",
+            "--batch-size",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "as WebDataset tar shards" in done.stdout
+    # One shard of one unit: read by one build in epoch 1 (its listing read
+    # came before, at construction); the warm epoch reads nothing.
+    assert "S3 GETs 1" in done.stdout and "S3 GETs 0" in done.stdout
