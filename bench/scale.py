@@ -3,7 +3,9 @@
     .venv/bin/python bench/scale.py --samples 20000 --sample-bytes 100
 
 Writes ``--samples`` files of ``--sample-bytes`` random bytes under a
-directory (``--dir``, reused when it already holds them), then measures:
+directory (``--dir``, reused when it already holds them), or with
+``--format npy`` one ``(samples, sample_bytes)`` uint8 .npy file (a packed
+source: listing reads its header, nothing per sample), then measures:
 listing + publish (building the dataset: the source listing and its index
 entry), cold and warm samples/s of one rank, and anonymous memory per sample
 of the rank and of the store (RssAnon growth, payload excluded: values live
@@ -55,6 +57,22 @@ def write_samples(root: Path, samples: int, sample_bytes: int) -> float:
     return time.perf_counter() - started
 
 
+def write_npy(path: Path, samples: int, sample_bytes: int) -> float:
+    """One packed file: ``samples`` rows of ``sample_bytes`` random bytes; seconds."""
+    started = time.perf_counter()
+    rows = np.lib.format.open_memmap(
+        path, mode="w+", dtype=np.uint8, shape=(samples, sample_bytes)
+    )
+    rng = np.random.default_rng(0)
+    step = 1 << 20
+    for lo in range(0, samples, step):
+        hi = min(lo + step, samples)
+        rows[lo:hi] = rng.integers(0, 256, (hi - lo, sample_bytes), dtype=np.uint8)
+    rows.flush()
+    del rows
+    return time.perf_counter() - started
+
+
 def raw(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8).copy()
 
@@ -80,6 +98,12 @@ def main() -> None:
     )
     ap.add_argument("--object-store-mb", type=int, default=1024)
     ap.add_argument(
+        "--format",
+        default="objects",
+        choices=["objects", "npy"],
+        help="one file per sample, or one packed .npy file",
+    )
+    ap.add_argument(
         "--shardcache-path", default="auto", choices=["auto", "loader", "dataloader"]
     )
     args = ap.parse_args()
@@ -93,11 +117,15 @@ def main() -> None:
     from ranks import shardcache_batches
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="shardcache-scale-"))
+    packed = args.format == "npy"
     files = root / f"n{args.samples}-b{args.sample_bytes}"
+    if packed:
+        files = files.with_suffix(".npy")
     marker = root / f"{files.name}.done"  # outside the dataset: it would be a sample
     write_s = 0.0
     if not marker.exists():
-        write_s = write_samples(files, args.samples, args.sample_bytes)
+        write = write_npy if packed else write_samples
+        write_s = write(files, args.samples, args.sample_bytes)
         marker.write_text("")
     redis_proc, redis_url = start_redis_server(Path(tempfile.mkdtemp()), password="s")
     ray.init(
@@ -110,10 +138,15 @@ def main() -> None:
     )
     common = {"redis_url": redis_url, "namespace": "scale", "rank": 0, "world_size": 1}
     try:
-        first = next(iter(sorted((files / "d00000").iterdir())))
-        # A one-object dataset starts the store first, so its baseline is taken
-        # with the process up and the imports done.
-        warm = DistributedCachedDataset([str(first)], raw, name="warmup", **common)
+        # A small dataset of the same kind starts the store first, so its
+        # baseline is taken with the process up and the imports done.
+        if packed:
+            first = root / "warmup.npy"
+            write_npy(first, 16, args.sample_bytes)
+            warm = DistributedCachedDataset(str(first), name="warmup", **common)
+        else:
+            first = next(iter(sorted((files / "d00000").iterdir())))
+            warm = DistributedCachedDataset([str(first)], raw, name="warmup", **common)
         batches, _ = shardcache_batches(warm, 1, args.shardcache_path)
         _epoch(warm, batches, 0)
         warm.close()
@@ -122,8 +155,14 @@ def main() -> None:
         rank0, store0 = rss_anon(me), sum(rss_anon(p) for p in stores)
         redis0 = redis_used_memory(redis_url)
         started = time.perf_counter()
-        ds = DistributedCachedDataset(
-            f"{files}/", raw, name=f"scale{args.samples}", shuffle=True, **common
+        ds = (
+            DistributedCachedDataset(
+                str(files), name=f"scalenpy{args.samples}", shuffle=True, **common
+            )
+            if packed
+            else DistributedCachedDataset(
+                f"{files}/", raw, name=f"scale{args.samples}", shuffle=True, **common
+            )
         )
         publish_s = time.perf_counter() - started
         store_listed = sum(rss_anon(p) for p in store_pids([me]))
@@ -135,6 +174,7 @@ def main() -> None:
         out = {
             "samples": args.samples,
             "sample_bytes": args.sample_bytes,
+            "format": args.format,
             "batch_size": args.batch_size,
             "path": path,
             "write_s": round(write_s, 3),

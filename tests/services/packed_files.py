@@ -65,3 +65,7 @@ def write_lmdb(path: Path, count: int) -> None:
 
 def write_npy(path: Path, count: int) -> None:
     np.save(path, np.arange(count * 3, dtype=np.int32).reshape(count, 3))
+
+
+def write_npy_bytes(path: Path, count: int) -> None:
+    np.save(path, (np.arange(count * 5) % 251).astype(np.uint8).reshape(count, 5))

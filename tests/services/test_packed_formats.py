@@ -9,7 +9,14 @@ import shutil
 
 import numpy as np
 import pytest
-from packed_files import parquet_bytes, tar_bytes, write_hdf5, write_lmdb, write_npy
+from packed_files import (
+    parquet_bytes,
+    tar_bytes,
+    write_hdf5,
+    write_lmdb,
+    write_npy,
+    write_npy_bytes,
+)
 
 from shardcache.chunks import Chunk
 from shardcache.decoders import as_arrays
@@ -94,6 +101,9 @@ def test_hdf5_npy_and_lmdb_rows_equal_the_source(tmp_path):
     assert [int(s) for s in _samples(only_y)] == list(range(20))
     npy = _samples(list_packed(_spec(str(tmp_path / "f.npy"), "npy"), None))
     assert np.array_equal(np.stack(npy), np.arange(150, dtype=np.int32).reshape(50, 3))
+    write_npy_bytes(tmp_path / "g.npy", 20)  # dtype "|u1": a byte-order-free header
+    rows = _samples(list_packed(_spec(str(tmp_path / "g.npy"), "npy"), None))
+    assert np.stack(rows).tolist() == (np.arange(100) % 251).reshape(20, 5).tolist()
     db = list_packed(_spec(str(tmp_path / "e.lmdb"), "lmdb"), None)
     assert [bytes(s) for s in _samples(db)] == [
         f"value-{i}".encode() for i in range(15)

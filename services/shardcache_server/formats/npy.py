@@ -7,6 +7,7 @@ read with one ranged read, or sliced from a memory map when the file is local.
 from __future__ import annotations
 
 import io
+import json
 from typing import Any
 
 import numpy as np
@@ -75,18 +76,19 @@ class NpyFormat(SourceFormat):
             shape[0], row_bytes, chunk_samples, chunk_bytes
         )
         units = FileUnits(file.url, file.etag, file.size, bounds, samples, nbytes)
-        return units, f"{dtype.str}|{','.join(map(str, shape))}|{offset}".encode()
+        header = {"dtype": dtype.str, "shape": list(shape), "offset": offset}
+        return units, json.dumps(header).encode()
 
     def stacks_columns(self, unit: UnitRequest) -> bool:
         return True
 
     def read_columns(self, unit: UnitRequest) -> dict[str, np.ndarray]:
-        dtype_text, shape_text, offset_text = unit.meta.decode().split("|")
-        dtype = np.dtype(dtype_text)
-        row_shape = tuple(int(s) for s in shape_text.split(",")[1:])
+        header = json.loads(unit.meta)
+        dtype = np.dtype(header["dtype"])
+        row_shape = tuple(header["shape"][1:])
         row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
-        start = int(offset_text) + unit.lo * row_bytes
-        end = int(offset_text) + unit.hi * row_bytes
+        start = header["offset"] + unit.lo * row_bytes
+        end = header["offset"] + unit.hi * row_bytes
         data = unit.file.fs.cat_file(unit.file.path, start=start, end=end)
         if len(data) != end - start:
             raise SourceFormatError(
