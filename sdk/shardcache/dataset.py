@@ -29,7 +29,7 @@ from shardcache.keys import validate_name
 from shardcache.loader import BatchLoader
 from shardcache.manifest import Manifest
 from shardcache.reader import ChunkReader
-from shardcache.resume import current_node, gather_nodes, gather_states, merge_states
+from shardcache.resume import apply_state, current_node, gather_states, merge_states
 from shardcache.sampler import ShardSampler
 from shardcache.source import open_remote
 from shardcache.usage import FLUSH_INTERVAL_S, ORIGINS, UsageReader, UsageReporter
@@ -333,11 +333,14 @@ class DistributedCachedDataset(Dataset[Any]):
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch``: reshuffle this rank's order and report last epoch's waits."""
         self._report_rank()
+        # A resume pending for this very epoch keeps its position.
+        resuming = epoch == self._sampler.epoch and self._sampler.pending_skip
         self._sampler.set_epoch(epoch)
         self._sampler.order()  # computed now, not inside the first batch's wait
         self._snapshot_due = True
-        self._consumed = 0
-        self._cursor = 0
+        if not resuming:
+            self._consumed = 0
+            self._cursor = 0
         self._waits.reset()
         if self._reader is not None and self._pid == os.getpid():
             self._reader.new_epoch()
@@ -646,51 +649,7 @@ class DistributedCachedDataset(Dataset[Any]):
             ConfigError: the state belongs to another dataset, seed or mode, or
                 one rank's state is given for another world size.
         """
-        merged = None
-        if isinstance(state, list | tuple) or isinstance(state.get("consumed"), list):
-            merged = merge_states(state if isinstance(state, list | tuple) else [state])
-            state = merged
-        mine = self._sampler.state()
-        keys = ("seed", "mode") if merged else ("seed", "rank", "world_size", "mode")
-        for key in keys:
-            if state.get(key) != mine[key]:
-                hint = (
-                    " To resume at another world size pass every rank's state."
-                    if key in ("rank", "world_size")
-                    else ""
-                )
-                raise ConfigError(
-                    f"state_dict has {key}={state.get(key)!r} but this dataset has "
-                    f"{mine[key]!r}; resume with the same settings.{hint}"
-                )
-        if state.get("manifest") != self.digest:
-            raise ConfigError(
-                "state_dict was saved for a different listing of the source; "
-                "the objects changed, so the shards would not match."
-            )
-        consumed = (
-            int(state["consumed"][self.rank]) if merged else int(state["consumed"])
-        )
-        elastic = False
-        if merged:
-            if nodes is None:
-                nodes = gather_nodes(current_node(), self.world_size)
-            same_world = merged["world_size"] == self.world_size and (
-                nodes is None or list(nodes) == merged["nodes"]
-            )
-            if not same_world:
-                if nodes is None:
-                    raise ConfigError(
-                        f"resuming {merged['world_size']} ranks' state at "
-                        f"world_size={self.world_size} needs every new rank's node: "
-                        "initialise torch.distributed or pass nodes=[...]."
-                    )
-                self._sampler.resume_elastic(merged, nodes)
-                consumed, elastic = 0, True
-        if not elastic and state.get("resumed_from") is not None:
-            # Saved inside an epoch that was itself resumed elastically.
-            self._sampler.resume_elastic(state["resumed_from"], state["plan_nodes"])
-        self._sampler.resume(int(state["epoch"]), consumed)
+        consumed = apply_state(self._sampler, state, self.digest, nodes)
         self._consumed = consumed
         self._cursor = consumed
 

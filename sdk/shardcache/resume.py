@@ -37,6 +37,7 @@ from shardcache.sharding import assign_chunks, epoch_order, global_order
 __all__ = [
     "STATE_VERSION",
     "ResumePlan",
+    "apply_state",
     "current_node",
     "gather_nodes",
     "gather_states",
@@ -97,8 +98,9 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         raise ConfigError("merge_states needs the state of every rank, got none.")
     first = states[0]
     if isinstance(first.get("consumed"), list):
-        if len(states) == 1:
-            return dict(first)  # already merged
+        # Already merged (gather_state_dict gives every rank the same copy).
+        if all(s == first for s in states):
+            return dict(first)
         raise ConfigError("pass per-rank states or one merged state, not several.")
     world = int(first["world_size"])
     consumed: list[int | None] = [None] * world
@@ -414,3 +416,71 @@ def current_node() -> str:
     import ray
 
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
+
+def apply_state(
+    sampler: Any,
+    state: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    digest: str,
+    nodes: Sequence[str] | None = None,
+) -> int:
+    """Point ``sampler`` (a ShardSampler) at the rest of the saved epoch; returns
+    the samples this rank already consumed of its (new) order.
+
+    ``state`` is one rank's state (same world and rank), a list of every
+    rank's, or a merged one. A merged state of the same world on the same
+    nodes (or unknown nodes) continues each rank's own order; otherwise the
+    rest is re-dealt (:func:`plan_resume`) over ``nodes``, gathered over the
+    process group when not given.
+
+    Raises:
+        ConfigError: another seed, mode or listing; one rank's state for
+            another world; a world change with no way to know the nodes.
+    """
+    merged = None
+    if not isinstance(state, Mapping) or isinstance(state.get("consumed"), list):
+        merged = merge_states([state] if isinstance(state, Mapping) else state)
+        state = merged
+    mine = sampler.state()
+    keys = ("seed", "mode") if merged else ("seed", "rank", "world_size", "mode")
+    for key in keys:
+        if state.get(key) != mine[key]:
+            hint = (
+                " To resume at another world size pass every rank's state."
+                if key in ("rank", "world_size")
+                else ""
+            )
+            raise ConfigError(
+                f"state_dict has {key}={state.get(key)!r} but this dataset has "
+                f"{mine[key]!r}; resume with the same settings.{hint}"
+            )
+    if state.get("manifest") != digest:
+        raise ConfigError(
+            "state_dict was saved for a different listing of the source; "
+            "the objects changed, so the shards would not match."
+        )
+    epoch = int(state["epoch"])
+    if merged is not None:
+        world = sampler.world_size
+        if nodes is None:
+            nodes = gather_nodes(current_node(), world)
+        if merged["world_size"] != world or (
+            nodes is not None and list(nodes) != merged["nodes"]
+        ):
+            if nodes is None:
+                raise ConfigError(
+                    f"resuming {merged['world_size']} ranks' state at "
+                    f"world_size={world} needs every new rank's node: "
+                    "initialise torch.distributed or pass nodes=[...]."
+                )
+            sampler.resume_elastic(merged, nodes)
+            sampler.resume(epoch, 0)
+            return 0
+        consumed = int(merged["consumed"][sampler.rank])
+    else:
+        consumed = int(state["consumed"])
+    if state.get("resumed_from") is not None:
+        # Saved inside an epoch that was itself resumed elastically.
+        sampler.resume_elastic(state["resumed_from"], state["plan_nodes"])
+    sampler.resume(epoch, consumed)
+    return consumed
