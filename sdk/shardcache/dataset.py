@@ -645,6 +645,11 @@ class DistributedCachedDataset(Dataset[Any]):
         names every new rank's node; by default it is gathered over the
         process group (a collective: call it on every rank).
 
+        After an elastic resume rank lengths may differ by one sample;
+        ``loader(B)`` and ``DataLoader(batch_sampler=ds.sampler.batches(B))``
+        still give every rank the same number of steps (a plain
+        ``batch_size=B`` can leave one rank a one-sample step more).
+
         Raises:
             ConfigError: the state belongs to another dataset, seed or mode, or
                 one rank's state is given for another world size.

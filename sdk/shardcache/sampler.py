@@ -20,7 +20,13 @@ from shardcache.errors import ConfigError
 from shardcache.resume import STATE_VERSION, ResumePlan, plan_resume
 from shardcache.sharding import assign_chunks, epoch_order, global_order, validate_world
 
-__all__ = ["SHUFFLE_MODES", "ShardSampler", "batch_bounds", "first_steps"]
+__all__ = [
+    "SHUFFLE_MODES",
+    "ShardBatchSampler",
+    "ShardSampler",
+    "batch_bounds",
+    "first_steps",
+]
 
 SHUFFLE_MODES = (True, False, "shard", "global")
 
@@ -216,6 +222,13 @@ class ShardSampler(Sampler[int]):
     def __len__(self) -> int:
         return self.lengths()[self.rank]
 
+    def batches(self, batch_size: int, drop_last: bool = False) -> ShardBatchSampler:
+        """Batches with the same step count on every rank, for
+        ``DataLoader(ds, batch_sampler=ds.sampler.batches(B))`` (see
+        :func:`batch_bounds`; plain ``batch_size=B`` can leave one rank a step
+        more after an elastic resume)."""
+        return ShardBatchSampler(self, batch_size, drop_last)
+
     def state(self) -> dict[str, Any]:
         resumed = self._resumed
         if resumed is not None and resumed["epoch"] != self.epoch:
@@ -254,6 +267,51 @@ class ShardSampler(Sampler[int]):
             self.resume_elastic(state["resumed_from"], state.get("plan_nodes"))
         self.resume(int(state["epoch"]), int(state["yielded"]))
         self._yielded = int(state["yielded"])
+
+
+class ShardBatchSampler(Sampler[list[int]]):
+    """A rank's batches of the current epoch, every rank the same number of steps.
+
+    Stateful like its sampler: the state is the sampler's (samples yielded).
+
+    Args:
+        sampler: the rank's ShardSampler. batch_size: samples per batch.
+        drop_last: only full batches. Defaults to ``False``.
+
+    Raises:
+        ConfigError: ``batch_size`` < 1.
+    """
+
+    def __init__(self, sampler: ShardSampler, batch_size: int, drop_last: bool = False):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(
+                f"batch_size must be an integer >= 1, got {batch_size!r}."
+            )
+        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
+
+    def _bounds(self, start: int) -> list[tuple[int, int]]:
+        s = self.sampler
+        # Ranks move in lockstep, so every rank skipped ``start`` samples too.
+        shortest = max(min(s.lengths()) - start, 0)
+        return batch_bounds(len(s) - start, shortest, self.batch_size, self.drop_last)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        s = self.sampler
+        start = s.take_skip()
+        s._yielded = start
+        order = s.order()
+        for lo, hi in self._bounds(start):
+            s._yielded = start + hi
+            yield order[start + lo : start + hi].tolist()
+
+    def __len__(self) -> int:
+        return len(self._bounds(self.sampler.pending_skip))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
 
 
 def first_steps(

@@ -68,6 +68,27 @@ def test_resume_with_another_batch_size_keeps_ddp_steps_equal_and_exact():
         assert Counter(seen + rest) == Counter(range(N))
 
 
+def test_batch_sampler_gives_every_rank_the_same_steps_and_resumes():
+    # 1,001 - 4 * 40 = 841 left over 7 ranks: 121 on one rank, 120 on six;
+    # batch 8 divides 120, so plain batching would give one rank a 16th step.
+    states, seen = _save(4, 5, 8)
+    samplers = _resume(merge_states(states), 7, None)
+    assert sorted(len(s) for s in samplers) == [120] * 6 + [121]
+    batches = [list(s.batches(8)) for s in samplers]
+    assert {len(b) for b in batches} == {15}
+    assert Counter(seen + [i for b in batches for x in b for i in x]) == Counter(
+        range(N)
+    )
+    # Stateful: save after 3 batches, restore into a fresh sampler.
+    bs = samplers[0].batches(8)
+    it = iter(bs)
+    head = [next(it) for _ in range(3)]
+    state = bs.state_dict()
+    fresh = ShardSampler(CHUNKS, 0, 7, seed=3).batches(8)
+    fresh.load_state_dict(state)
+    assert head + list(fresh) == batches[0]
+
+
 def test_batch_bounds_folds_a_one_sample_last_step_into_the_previous_batch():
     # 4 ranks, 17 samples left: lengths 5, 4, 4, 4 with batch 4 would give one
     # rank a second step nobody else takes.
