@@ -30,10 +30,12 @@ from shardcache.loader import BatchLoader
 from shardcache.manifest import Manifest
 from shardcache.packed_manifest import PackedManifest, format_of
 from shardcache.reader import ChunkReader
+from shardcache.resume import apply_state, current_node, gather_states, merge_states
 from shardcache.sampler import ShardSampler
 from shardcache.source import open_remote
 from shardcache.usage import FLUSH_INTERVAL_S, ORIGINS, UsageReader, UsageReporter
 from shardcache.waits import WaitRecorder
+from shardcache.warmup import warm_chunks
 from shardcache.world import World
 
 __all__ = ["DistributedCachedDataset"]
@@ -428,11 +430,14 @@ class DistributedCachedDataset(Dataset[Any]):
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch``: reshuffle this rank's order and report last epoch's waits."""
         self._report_rank()
+        # A resume pending for this very epoch keeps its position.
+        resuming = epoch == self._sampler.epoch and self._sampler.pending_skip
         self._sampler.set_epoch(epoch)
         self._sampler.order()  # computed now, not inside the first batch's wait
         self._snapshot_due = True
-        self._consumed = 0
-        self._cursor = 0
+        if not resuming:
+            self._consumed = 0
+            self._cursor = 0
         self._waits.reset()
         if self._reader is not None and self._pid == os.getpid():
             self._reader.new_epoch()
@@ -614,6 +619,7 @@ class DistributedCachedDataset(Dataset[Any]):
             "index_errors": self._index_errors,
             "held_bytes": self._reader.held_bytes if self._reader is not None else 0,
             "served": dict(self._reader.counts) if self._reader is not None else {},
+            "moved_on_resume": self._sampler.moved_on_resume,
             **self._waits.summary(),
         }
         total = out["hits"] + out["misses"]
@@ -715,36 +721,89 @@ class DistributedCachedDataset(Dataset[Any]):
         return manifest.changed_files(old)
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
-        """Where this rank is; ``consumed`` overrides the count seen by this process
-        (pass it when DataLoader workers fetch, e.g. ``batches_done * batch_size``)."""
+        """Where this rank is: O(1) (epoch, seed, world, consumed count, node).
+
+        ``consumed`` overrides the count seen by this process (pass it when
+        DataLoader workers fetch, e.g. ``batches_done * batch_size``; or use
+        torchdata's ``StatefulDataLoader``, whose state needs no count).
+        Merge every rank's state (:meth:`merge_states`, :meth:`gather_state_dict`)
+        to resume at another world size.
+        """
         return {
-            "epoch": self._sampler.epoch,
+            **self._sampler.state(),
             "consumed": self._consumed if consumed is None else int(consumed),
             "manifest": self.digest,
-            **self._sampler.state(),
+            "node": current_node(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    @staticmethod
+    def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """Every old rank's :meth:`state_dict` -> one state to resume at any world size.
+
+        >>> # DistributedCachedDataset.merge_states([torch.load(f) for f in rank_files])
+        """
+        return merge_states(states)
+
+    def gather_state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """The merged state of every rank, on every rank (one ``all_gather_object``
+        under torch.distributed): save it from rank 0.
+
+        >>> # state = ds.gather_state_dict(); if rank == 0: torch.save(state, path)
+        """
+        return gather_states(self.state_dict(consumed))
+
+    def load_state_dict(
+        self,
+        state: dict[str, Any] | Sequence[dict[str, Any]],
+        nodes: Sequence[str] | None = None,
+    ) -> None:
         """Resume mid-epoch: the next iteration yields exactly the unseen samples.
 
+        ``state`` is this rank's own :meth:`state_dict` (same world), or the
+        states of every rank of the saving job (a list, or merged): then the
+        world size may differ and the unseen samples are dealt over the new
+        ranks, each exactly once, preferring the node that cached them
+        (``stats()["moved_on_resume"]`` says what had to move). ``nodes``
+        names every new rank's node; by default it is gathered over the
+        process group (a collective: call it on every rank).
+
+        After an elastic resume rank lengths may differ by one sample;
+        ``loader(B)`` and ``DataLoader(batch_sampler=ds.sampler.batches(B))``
+        still give every rank the same number of steps (a plain
+        ``batch_size=B`` can leave one rank a one-sample step more).
+
         Raises:
-            ConfigError: the state belongs to another dataset, rank or world size.
+            ConfigError: the state belongs to another dataset, seed or mode, or
+                one rank's state is given for another world size.
         """
-        mine = self._sampler.state()
-        for key in ("seed", "rank", "world_size", "mode"):
-            if state.get(key) != mine[key]:
-                raise ConfigError(
-                    f"state_dict has {key}={state.get(key)!r} but this dataset has "
-                    f"{mine[key]!r}; resume with the same settings."
-                )
-        if state.get("manifest") != self.digest:
+        consumed = apply_state(self._sampler, state, self.digest, nodes)
+        self._consumed = consumed
+        self._cursor = consumed
+
+    def warm(
+        self, steps: int, batch_size: int, *, progress: bool = True
+    ) -> dict[str, int]:
+        """Hold, on this rank's node, the chunks of this rank's next ``steps``
+        batches (resume included) before training starts; the rest streams
+        in behind the loop as usual. Returns chunk and sample counts.
+
+        Raises:
+            ConfigError: ``steps`` or ``batch_size`` < 1.
+
+        >>> # ds.set_epoch(0); ds.warm(steps=50, batch_size=64)
+        """
+        if not all(isinstance(v, int) and v >= 1 for v in (steps, batch_size)):
             raise ConfigError(
-                "state_dict was saved for a different listing of the source; "
-                "the objects changed, so the shards would not match."
+                f"steps and batch_size must be integers >= 1, got {steps!r}, "
+                f"{batch_size!r}."
             )
-        self._sampler.resume(int(state["epoch"]), int(state["consumed"]))
-        self._consumed = int(state["consumed"])
-        self._cursor = int(state["consumed"])
+        order = self._sampler.order()
+        start = self._cursor or self._sampler.pending_skip
+        reader = self._attach()
+        reader.use_generation(self._current_generation())
+        return warm_chunks(
+            reader, order[start : start + steps * batch_size], progress=progress
+        )
 
     def epoch_indices(self) -> Iterator[np.ndarray]:
         """The rest of this epoch's order (after a resume), for ``loader()``."""

@@ -1,7 +1,9 @@
 """Collated batches of one rank's epoch, optionally pinned and copied to a GPU ahead.
 
 ``BatchLoader`` is what ``DistributedCachedDataset.loader()`` returns: it
-walks the sampler's order in batches and gathers each batch straight into
+walks the sampler's order in batches (every rank the same number of
+steps, even when an elastic resume left lengths one apart: see
+:func:`~shardcache.sampler.batch_bounds`) and gathers each batch straight into
 one tensor per field (no per-sample tensors, no second copy by a collate
 function). With ``device`` set, the next batch is copied host-to-device on
 a side CUDA stream while the current step runs.
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardcache.errors import ConfigError
+from shardcache.sampler import batch_bounds
 
 if TYPE_CHECKING:
     from shardcache.dataset import DistributedCachedDataset
@@ -73,36 +76,57 @@ class BatchLoader:
         self.dataset = dataset
         self.batch_size, self.drop_last = batch_size, drop_last
         self.pin_memory = pin_memory or self.device is not None
+        self._in_flight = 0  # samples gathered ahead of the batch last yielded
 
     def __len__(self) -> int:
-        n = len(self.dataset.sampler)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        sampler = self.dataset.sampler
+        return len(
+            batch_bounds(
+                len(sampler), min(sampler.lengths()), self.batch_size, self.drop_last
+            )
+        )
 
     def _host_batches(self) -> Iterator[Any]:
+        sampler = self.dataset.sampler
         for order in self.dataset.epoch_indices():
-            stop = (
-                len(order) - len(order) % self.batch_size
-                if self.drop_last
-                else len(order)
-            )
-            for lo in range(0, stop, self.batch_size):
-                yield self.dataset.collated(
-                    order[lo : lo + self.batch_size], self.pin_memory
-                )
+            # Ranks resume in lockstep, so every rank skipped the same count.
+            skipped = len(sampler.order()) - len(order)
+            shortest = max(min(sampler.lengths()) - skipped, 0)
+            for lo, hi in batch_bounds(
+                len(order), shortest, self.batch_size, self.drop_last
+            ):
+                yield hi - lo, self.dataset.collated(order[lo:hi], self.pin_memory)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The dataset's state: the samples of the batches this loader yielded
+        (a batch copied ahead to the GPU but not yet yielded does not count)."""
+        state = self.dataset.state_dict()
+        state["consumed"] -= self._in_flight
+        return state
+
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Resume: the next iteration continues after the consumed samples (see
+        :meth:`DistributedCachedDataset.load_state_dict`; any batch size)."""
+        self.dataset.load_state_dict(state)
 
     def __iter__(self) -> Iterator[Any]:
+        self._in_flight = 0
         if self.device is None:
-            yield from self._host_batches()
+            for _, host in self._host_batches():
+                yield host
             return
         # Copy batch k+1 on a side stream while the caller computes on batch k.
         stream = torch.cuda.Stream(device=self.device)
         ahead = None
-        for host in self._host_batches():
+        for n, host in self._host_batches():
             with torch.cuda.stream(stream):
                 copied = _to_device(host, self.device)
             if ahead is not None:
+                self._in_flight = n
                 yield ahead
             torch.cuda.current_stream(self.device).wait_stream(stream)
             ahead = copied
+            self._in_flight = n
         if ahead is not None:
+            self._in_flight = 0
             yield ahead

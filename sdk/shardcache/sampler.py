@@ -1,19 +1,64 @@
-"""A DistributedSampler replacement whose shard is stable across epochs."""
+"""A DistributedSampler replacement whose shard is stable across epochs.
+
+It is stateful in the protocol torchdata's ``StatefulDataLoader`` expects
+(``state_dict``/``load_state_dict``): the state is the epoch and how many
+indices this epoch's iterator yielded, so a restored loader continues the
+same order exactly. An epoch resumed at another world size
+(:mod:`shardcache.resume`) is part of the state too, so it survives a
+second save and load.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
 
 from shardcache.errors import ConfigError
+from shardcache.resume import STATE_VERSION, ResumePlan, plan_resume
 from shardcache.sharding import assign_chunks, epoch_order, global_order, validate_world
 
-__all__ = ["SHUFFLE_MODES", "ShardSampler"]
+__all__ = [
+    "SHUFFLE_MODES",
+    "ShardBatchSampler",
+    "ShardSampler",
+    "batch_bounds",
+    "first_steps",
+]
 
 SHUFFLE_MODES = (True, False, "shard", "global")
+
+
+def batch_bounds(
+    length: int, shortest: int, batch_size: int, drop_last: bool = False
+) -> list[tuple[int, int]]:
+    """``(lo, hi)`` of each batch of a rank holding ``length`` samples when the
+    shortest rank holds ``shortest``, such that every rank takes the same
+    number of steps (DDP) and no sample is skipped or repeated.
+
+    Lengths differ by at most one after an elastic resume. When the shortest
+    rank ends on a full batch, a rank holding one sample more would need a
+    step of its own; that sample joins its last batch instead (a batch of
+    ``batch_size + 1``). With ``drop_last`` only full batches of the shortest
+    length are taken on every rank.
+
+    >>> batch_bounds(9, 8, 4)
+    [(0, 4), (4, 9)]
+    >>> batch_bounds(7, 6, 4)
+    [(0, 4), (4, 7)]
+    >>> batch_bounds(9, 8, 4, drop_last=True)
+    [(0, 4), (4, 8)]
+    """
+    if drop_last:
+        steps = shortest // batch_size
+        return [(i * batch_size, (i + 1) * batch_size) for i in range(steps)]
+    steps = -(-shortest // batch_size) if shortest else int(length > 0)
+    bounds = [(i * batch_size, min((i + 1) * batch_size, length)) for i in range(steps)]
+    if bounds and bounds[-1][1] < length:
+        bounds[-1] = (bounds[-1][0], length)
+    return bounds
 
 
 class ShardSampler(Sampler[int]):
@@ -44,15 +89,20 @@ class ShardSampler(Sampler[int]):
             raise ConfigError(
                 f"shuffle must be one of {SHUFFLE_MODES}, got {shuffle!r}."
             )
-        self.n = int(np.sum(chunk_sizes))
+        self.sizes = np.asarray(chunk_sizes, dtype=np.int64)
+        self.n = int(np.sum(self.sizes))
         self.rank, self.world_size = rank, world_size
         self.mode = "global" if shuffle == "global" else "shard"
         self.shuffle = shuffle is not False
         self.seed, self.drop_last = int(seed), drop_last
         self.epoch = 0
         self._skip = 0
+        self._yielded = 0
+        # An epoch resumed elastically: its epoch, the merged old state and the
+        # nodes (to save and recompute it), this rank's order, all lengths.
+        self._resumed: dict[str, Any] | None = None
         if self.mode == "shard":
-            shards = assign_chunks(np.asarray(chunk_sizes), world_size, seed)
+            shards = assign_chunks(self.sizes, world_size, seed)
             self.shard = shards[rank]
             sizes = [len(s) for s in shards]
             self.num_samples = min(sizes) if drop_last else max(sizes)
@@ -65,6 +115,7 @@ class ShardSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             self._skip = 0
+            self._yielded = 0
         self.epoch = int(epoch)
 
     def order(self, epoch: int | None = None) -> np.ndarray:
@@ -82,6 +133,8 @@ class ShardSampler(Sampler[int]):
         return order
 
     def _compute_order(self, e: int) -> np.ndarray:
+        if self._resumed is not None and self._resumed["epoch"] == e:
+            return self._resumed["order"]
         if self.mode == "global":
             return global_order(
                 self.n,
@@ -94,27 +147,206 @@ class ShardSampler(Sampler[int]):
             )
         return epoch_order(self.shard, self.num_samples, self.seed, e, self.shuffle)
 
+    # -- resume ---------------------------------------------------------------------
     def resume(self, epoch: int, consumed: int) -> None:
         """Continue ``epoch`` after its first ``consumed`` samples (once)."""
         self.epoch, self._skip = int(epoch), int(consumed)
+
+    def resume_elastic(
+        self, merged: Mapping[str, Any], nodes: Sequence[str] | None
+    ) -> ResumePlan:
+        """Finish the epoch of ``merged`` (every old rank's state, merged, at any
+        world size): this rank yields its share of the samples not yet consumed.
+
+        Raises:
+            ConfigError: the state's seed or mode differs from this sampler's.
+        """
+        for key, mine in (("seed", self.seed), ("mode", self.mode)):
+            if merged.get(key) != mine:
+                raise ConfigError(
+                    f"state has {key}={merged.get(key)!r} but this sampler has "
+                    f"{mine!r}; resume with the same settings."
+                )
+        plan = plan_resume(self.sizes, merged, self.world_size, nodes)
+        epoch = int(merged["epoch"])
+        # Only this rank's order is kept: the sampler is pickled into every
+        # DataLoader worker.
+        self._resumed = {
+            "epoch": epoch,
+            "merged": dict(merged),
+            "nodes": list(nodes) if nodes is not None else None,
+            "order": plan.orders[self.rank],
+            "lengths": [len(o) for o in plan.orders],
+            "moved": plan.moved_fraction,
+        }
+        self._order_cache = None
+        self.epoch, self._skip = epoch, 0
+        return plan
+
+    @property
+    def moved_on_resume(self) -> float:
+        """Fraction of the resumed epoch's samples dealt to a rank on another
+        node than the one that read them (0.0 without an elastic resume)."""
+        return self._resumed["moved"] if self._resumed is not None else 0.0
+
+    @property
+    def pending_skip(self) -> int:
+        """The samples the next iteration skips (a resume not yet consumed)."""
+        return self._skip
 
     def take_skip(self) -> int:
         """The samples a resume skips at the start of this epoch (once)."""
         skip, self._skip = self._skip, 0
         return skip
 
+    def lengths(self) -> list[int]:
+        """Every rank's sample count this epoch (equal except after an elastic
+        resume, where they differ by at most one)."""
+        if self._resumed is not None and self._resumed["epoch"] == self.epoch:
+            return list(self._resumed["lengths"])
+        return [self.num_samples] * self.world_size
+
     def __iter__(self) -> Iterator[int]:
-        order, self._skip = self.order()[self._skip :], 0
-        return iter(order.tolist())
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[int]:
+        # A generator: nothing (the skip included) is taken until the first
+        # index is asked for, so an iterator made and dropped by a loader's
+        # restore does not consume the resume. ~40 ns per index.
+        start = self.take_skip()
+        self._yielded = start
+        for i in self.order()[start:].tolist():
+            self._yielded += 1
+            yield i
 
     def __len__(self) -> int:
-        return self.num_samples
+        return self.lengths()[self.rank]
+
+    def batches(self, batch_size: int, drop_last: bool = False) -> ShardBatchSampler:
+        """Batches with the same step count on every rank, for
+        ``DataLoader(ds, batch_sampler=ds.sampler.batches(B))`` (see
+        :func:`batch_bounds`; plain ``batch_size=B`` can leave one rank a step
+        more after an elastic resume)."""
+        return ShardBatchSampler(self, batch_size, drop_last)
 
     def state(self) -> dict[str, Any]:
+        resumed = self._resumed
+        if resumed is not None and resumed["epoch"] != self.epoch:
+            resumed = None
         return {
+            "version": STATE_VERSION,
             "epoch": self.epoch,
             "seed": self.seed,
             "rank": self.rank,
             "world_size": self.world_size,
             "mode": self.mode,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "resumed_from": resumed["merged"] if resumed else None,
+            "plan_nodes": resumed["nodes"] if resumed else None,
         }
+
+    # -- torchdata Stateful protocol ------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch and indices yielded by the current iterator (StatefulDataLoader)."""
+        return {**self.state(), "yielded": self._yielded}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """The next iterator continues after the ``yielded`` indices of ``state``.
+
+        Raises:
+            ConfigError: the state was saved by another rank, world or seed.
+        """
+        for key in ("seed", "rank", "world_size", "mode"):
+            if state.get(key) != getattr(self, key):
+                raise ConfigError(
+                    f"sampler state has {key}={state.get(key)!r} but this sampler has "
+                    f"{getattr(self, key)!r}; restore with the same settings."
+                )
+        if state.get("resumed_from") is not None:
+            self.resume_elastic(state["resumed_from"], state.get("plan_nodes"))
+        self.resume(int(state["epoch"]), int(state["yielded"]))
+        self._yielded = int(state["yielded"])
+
+
+class ShardBatchSampler(Sampler[list[int]]):
+    """A rank's batches of the current epoch, every rank the same number of steps.
+
+    Stateful like its sampler: the state is the sampler's (samples yielded).
+
+    Args:
+        sampler: the rank's ShardSampler. batch_size: samples per batch.
+        drop_last: only full batches. Defaults to ``False``.
+
+    Raises:
+        ConfigError: ``batch_size`` < 1.
+    """
+
+    def __init__(self, sampler: ShardSampler, batch_size: int, drop_last: bool = False):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(
+                f"batch_size must be an integer >= 1, got {batch_size!r}."
+            )
+        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
+
+    def _bounds(self, start: int) -> list[tuple[int, int]]:
+        s = self.sampler
+        # Ranks move in lockstep, so every rank skipped ``start`` samples too.
+        shortest = max(min(s.lengths()) - start, 0)
+        return batch_bounds(len(s) - start, shortest, self.batch_size, self.drop_last)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        s = self.sampler
+        start = s.take_skip()
+        s._yielded = start
+        order = s.order()
+        for lo, hi in self._bounds(start):
+            s._yielded = start + hi
+            yield order[start + lo : start + hi].tolist()
+
+    def __len__(self) -> int:
+        return len(self._bounds(self.sampler.pending_skip))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+
+def first_steps(
+    chunk_sizes: Sequence[int] | np.ndarray,
+    world_size: int,
+    steps: int,
+    batch_size: int,
+    *,
+    seed: int = 0,
+    epoch: int = 0,
+    shuffle: bool | str = True,
+    drop_last: bool = False,
+) -> list[np.ndarray]:
+    """Per rank, the chunks its first ``steps`` batches read, in the order first needed.
+
+    >>> [c.tolist() for c in first_steps([4, 4, 4, 4], 2, 1, 2, shuffle=False)]
+    [[1], [0]]
+    """
+    from shardcache.resume import world_orders, world_state
+
+    sizes = np.asarray(chunk_sizes, dtype=np.int64)
+    world = world_state(
+        sizes,
+        world_size,
+        epoch=epoch,
+        seed=seed,
+        mode="global" if shuffle == "global" else "shard",
+        shuffle=shuffle is not False,
+        drop_last=drop_last,
+    )
+    starts = np.concatenate(([0], np.cumsum(sizes)))
+    out = []
+    for order in world_orders(sizes, world):
+        head = order[: steps * batch_size]
+        chunks = np.searchsorted(starts, head, side="right") - 1
+        _, first = np.unique(chunks, return_index=True)
+        out.append(chunks[np.sort(first)])
+    return out

@@ -84,13 +84,37 @@ def warm(
     chunk_samples: int = typer.Option(
         4096, min=1, help="objects per chunk (the first listing of a dataset fixes it)"
     ),
+    steps: int = typer.Option(
+        None,
+        min=1,
+        help="warm only the chunks of every rank's first STEPS batches",
+    ),
+    world_size: int = typer.Option(1, min=1, help="ranks of the job (with --steps)"),
+    batch_size: int = typer.Option(1, min=1, help="per-rank batch (with --steps)"),
+    seed: int = typer.Option(0, help="the job's dataset seed (with --steps)"),
+    epoch: int = typer.Option(0, min=0, help="the epoch to warm (with --steps)"),
+    shuffle: str = typer.Option(
+        "shard", help="the job's shuffle: shard, global or none (with --steps)"
+    ),
+    rank_node: list[str] = typer.Option(
+        [],
+        "--rank-node",
+        help="Ray node id of rank 0, 1, ... in order (default: sorted alive "
+        "nodes in contiguous blocks of ranks)",
+    ),
     redis_url: str = RedisOpt,
     namespace: str = NamespaceOpt,
     ray_address: str = typer.Option(None, envvar="RAY_ADDRESS"),
 ) -> None:
-    """Pre-fill the cache: every chunk built once, spread over the nodes."""
+    """Pre-fill the cache: every chunk built once, spread over the nodes; with
+    --steps K, exactly the chunks of each rank's first K batches, on its node."""
     from shardcache_server.warm import warm_dataset
 
+    modes: dict[str, bool | str] = {"shard": True, "global": "global", "none": False}
+    if shuffle not in modes:
+        raise typer.BadParameter(
+            f"--shuffle must be one of {list(modes)}, got {shuffle!r}"
+        )
     with _friendly_errors():
         summary = warm_dataset(
             url,
@@ -103,6 +127,20 @@ def warm(
             batch=batch,
             chunk_samples=chunk_samples,
             console=console,
+            steps=steps,
+            world_size=world_size,
+            batch_size=batch_size,
+            seed=seed,
+            epoch=epoch,
+            shuffle=modes[shuffle],
+            rank_nodes=rank_node or None,
+        )
+    if steps is not None:
+        console.print(
+            f"first {steps} steps of {world_size} ranks: {summary['warmed_chunks']} "
+            f"of {summary['chunks']} chunks ({summary['warmed_samples']} samples); "
+            "rank nodes: "
+            + ", ".join(f"{r}:{n[:8]}" for r, n in enumerate(summary["rank_nodes"]))
         )
     console.print(
         f"[green]warmed[/] {summary['dataset']}: {summary['objects']} objects, "

@@ -1,4 +1,6 @@
-"""``shardcache warm``: build every chunk once, spread over the node stores."""
+"""``shardcache warm``: build every chunk once, spread over the node stores; or,
+with ``steps``, exactly the chunks of every rank's first steps, each on the
+node its rank will run on."""
 
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
 from shardcache.config import ClientConfig
 from shardcache.dataset import default_name
 from shardcache.embedded import attach_ray, local_redis_url
-from shardcache.errors import ShardUnavailable
+from shardcache.errors import ConfigError, ShardUnavailable
 from shardcache.fingerprint import fingerprint
 from shardcache.index import RedisIndex
 from shardcache.manifest import Manifest
+from shardcache.sampler import first_steps
 from shardcache.sharding import assign_chunks
 from shardcache_server.cluster import ensure_stores
 from shardcache_server.preprocess import get_preprocessor
@@ -37,12 +40,26 @@ def warm_dataset(
     batch: int = 8,
     chunk_samples: int = DEFAULT_CHUNK_SAMPLES,
     console: Console | None = None,
+    steps: int | None = None,
+    world_size: int = 1,
+    batch_size: int = 1,
+    seed: int = 0,
+    epoch: int = 0,
+    shuffle: bool | str = True,
+    rank_nodes: list[str] | None = None,
 ) -> dict[str, Any]:
     """Warm ``url`` into the cluster cache; returns a summary.
 
     Chunks are spread over the nodes by the same rendezvous hashing the
     sampler uses, so no single store holds the whole dataset. ``batch`` is
     the number of chunks per store call.
+
+    With ``steps``, only the chunks of the first ``steps`` batches of
+    ``batch_size`` of every rank of a ``world_size`` job (``seed``,
+    ``epoch`` and ``shuffle`` as the job's dataset) are warmed, in the
+    order the ranks need them, each on its rank's node: ``rank_nodes``
+    (one Ray node id per rank), by default the alive nodes sorted by id in
+    contiguous blocks of ranks, as torchrun numbers them.
 
     Raises:
         ConfigError, SourceNotFound, EmptyDatasetError, IndexUnavailable,
@@ -81,7 +98,24 @@ def warm_dataset(
     _unwrap(lambda: ray.get([h.register.remote(spec, fn) for h in handles.values()]))
     layout = manifest.layout
     sizes = layout.sizes()
-    shards = assign_chunks(sizes, len(nodes))
+    if steps is None:
+        shards = assign_chunks(sizes, len(nodes))
+        work = [
+            (node, np.unique(layout.chunk_of(shard)).tolist())
+            for node, shard in zip(nodes, shards, strict=False)
+        ]
+    else:
+        rank_nodes = _rank_nodes(rank_nodes, nodes, world_size)
+        heads = first_steps(
+            sizes,
+            world_size,
+            steps,
+            batch_size,
+            seed=seed,
+            epoch=epoch,
+            shuffle=shuffle,
+        )
+        work = [(n, h.tolist()) for n, h in zip(rank_nodes, heads, strict=True)]
     counts = {"fetched": 0, "already_cached": 0, "errors": 0}
     first_error: tuple[str, str] | None = None
     items = manifest.chunk_items(range(len(layout)))
@@ -93,17 +127,17 @@ def warm_dataset(
         console=console,
         transient=False,
     ) as progress:
-        task = progress.add_task(f"warming {name}", total=len(manifest))
         pending: dict[Any, list[int]] = {}
         assigned: set[int] = set()
-        for node, shard in zip(nodes, shards, strict=False):
+        plan = []
+        for node, wanted in work:
             # A chunk split between two shards is warmed once, by the first.
-            chunks = [
-                c
-                for c in np.unique(layout.chunk_of(shard)).tolist()
-                if c not in assigned
-            ]
+            chunks = [c for c in wanted if c not in assigned]
             assigned.update(chunks)
+            plan.append((node, chunks))
+        total = int(sum(int(sizes[c]) for c in assigned))
+        task = progress.add_task(f"warming {name}", total=total)
+        for node, chunks in plan:
             for i in range(0, len(chunks), batch):
                 group = chunks[i : i + batch]
                 call = handles[node].get.remote(
@@ -134,10 +168,28 @@ def warm_dataset(
         "items": items,
         "objects": len(manifest),
         "chunks": len(layout),
+        "warmed_chunks": len(assigned),
+        "warmed_samples": total,
+        "rank_nodes": rank_nodes if steps is not None else None,
         "bytes": manifest.total_bytes,
         "seconds": time.perf_counter() - started,
         **counts,
     }
+
+
+def _rank_nodes(
+    rank_nodes: list[str] | None, nodes: list[str], world_size: int
+) -> list[str]:
+    """The node of every rank: given, or contiguous blocks over ``nodes``."""
+    if rank_nodes is None:
+        return [nodes[r * len(nodes) // world_size] for r in range(world_size)]
+    unknown = sorted(set(rank_nodes) - set(nodes))
+    if len(rank_nodes) != world_size or unknown:
+        raise ConfigError(
+            f"rank_nodes must name one alive node per rank ({world_size}); got "
+            f"{len(rank_nodes)} names, unknown: {unknown}. Alive: {nodes}."
+        )
+    return list(rank_nodes)
 
 
 def _unwrap(call: Any) -> Any:
