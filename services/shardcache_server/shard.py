@@ -14,6 +14,7 @@ import contextlib
 import inspect
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -451,6 +452,7 @@ class CacheShard:
         return {
             "node_id": self.node_id,
             "incarnation": self.incarnation,
+            "pid": os.getpid(),
             "used_bytes": self._policy.used_bytes,
             "budget_bytes": self._policy.budget_bytes,
             "entries": len(self._table),
