@@ -4,6 +4,8 @@ and static at a cache of half the data."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from belady import belady_hits, node_calls
@@ -86,6 +88,24 @@ def test_clairvoyant_starts_at_the_epoch_the_ranks_registered_in():
     seq = [c for call in tail for c in call]
     order = SamplerOrder(tuple(sizes.tolist()), 1, 1, True, False, (0,), 5)
     assert _run("clairvoyant", order, tail[:128], 16) == belady_hits(seq, 16, 128)
+
+
+def test_clairvoyant_restarted_job_with_same_sampler_plans_from_its_epoch():
+    sizes = np.full(32, 2)
+    calls = node_calls(sizes, 1, (0,), seed=1, epochs=6, batch=1)
+    policy = make_policy("clairvoyant", 16 * CHUNK)
+    order = SamplerOrder(tuple(sizes.tolist()), 1, 1, True, False, (0,))
+    policy.learn("ds", order)
+    policy_hits(policy, calls[:80])  # a first job ran into epoch 1, then died
+    policy.learn("ds", replace(order, epoch=5))  # the resumed job registers
+    policy.learn("ds", replace(order, epoch=5))  # and its DataLoader workers
+    # Before its first batch, every chunk's next use is its first position
+    # in epoch 5 (the clock stands just before position 0).
+    epoch5 = [c for call in calls[5 * 64 :] for c in call]
+    first = {c: epoch5.index(c) for c in set(epoch5)}
+    assert {c: policy.next_use(("ds", f"c{c}")) for c in first} == {
+        c: p + 1 for c, p in first.items()
+    }
 
 
 def test_clairvoyant_evicts_chunks_of_unknown_datasets_first():

@@ -118,6 +118,7 @@ def test_rank_killed_mid_epoch_job_restarts_with_nothing_cleaned_by_hand(
         line = crashed.stdout.readline() if crashed.stdout else ""
         assert line.startswith("MID"), crashed.stderr.read() if crashed.stderr else ""
         _, job, *workers = line.split()
+        assert workers  # the DataLoader workers (and the resource tracker)
         crashed.send_signal(signal.SIGKILL)  # mid-epoch, DataLoader workers busy
         crashed.wait(timeout=WAIT_S)
     finally:

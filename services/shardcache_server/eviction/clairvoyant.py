@@ -233,15 +233,20 @@ class ClairvoyantPolicy(EvictionPolicy):
         """Take the order of a rank that registered ``dataset`` with this store.
 
         Ranks of the same job add to the node's set of ranks; a different
-        job (other world size, seed or listing) replaces it.
+        job (other world size, seed or listing) replaces it. A registration
+        more than one epoch away from the store's clocks (a job restarted
+        or resumed with the same sampler) starts them again at its epoch.
         """
         known = self._futures.get(dataset)
         if known is not None and known.order.same_job(order):
             ranks = tuple(sorted(set(known.order.ranks) | set(order.ranks)))
-            if ranks == known.order.ranks:
-                return  # another worker of a known rank
-            known_epoch = known.ranks[0].epoch if known.ranks else order.epoch
-            order = replace(order, ranks=ranks, epoch=max(known_epoch, order.epoch))
+            known_epoch = min(r.epoch for r in known.ranks)
+            if abs(order.epoch - known_epoch) > 1:
+                order = replace(order, ranks=ranks)
+            elif ranks == known.order.ranks:
+                return  # another worker of a known rank, or the rank again
+            else:  # a rank joins: plan from the epoch the others are in
+                order = replace(order, ranks=ranks, epoch=max(known_epoch, order.epoch))
         self._futures[dataset] = _Future(order)
 
     def next_use(self, key: Hashable) -> float:
