@@ -29,6 +29,7 @@ def main(mode: str, address: str, redis_url: str, options: str, bucket: str) -> 
         redis_url=redis_url,
         namespace=os.environ["SHARDCACHE_NAMESPACE"],
         name="crash",
+        ray_address=address,  # spawned DataLoader workers join this cluster too
         chunk_samples=4,
         job="crash-job",  # the restarted job has the same name
     )

@@ -103,6 +103,7 @@ def test_rank_killed_mid_epoch_job_restarts_with_nothing_cleaned_by_hand(
     env = {
         **os.environ,
         "SHARDCACHE_NAMESPACE": namespace,
+        "RAY_ADDRESS": ray_cluster.address,  # never another cluster on this host
         "PYTHONPATH": os.pathsep.join(sys.path),
     }
     options = json.dumps(s3.storage_options())
