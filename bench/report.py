@@ -309,7 +309,8 @@ def _scenarios(summary: Summary) -> list[str]:
     lines = [
         "## Scenarios (shardcache)",
         "",
-        "`lru50`/`static50`: each node's store holds half of its share of the values"
+        "`lru50`/`static50`/`clairvoyant50`: each node's store holds half of its"
+        " share of the values"
         " (the rank pins nothing); `changed1`: 1% of the objects get a new version"
         " before the last epoch and every rank calls `refresh()`.",
         "",

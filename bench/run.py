@@ -61,7 +61,17 @@ REMOTE_ONLY = ("simplecache",)
 MOSAIC_PYTHON = HERE.parent / ".venv-mosaic" / "bin" / "python"
 # shardcache under a cache holding half the dataset, and with 1% changed
 # upstream; run on the s3 source, where GETs are counted.
-SCENARIOS = ("shardcache_lru50", "shardcache_static50", "shardcache_changed1")
+SCENARIOS = (
+    "shardcache_lru50",
+    "shardcache_static50",
+    "shardcache_clairvoyant50",
+    "shardcache_changed1",
+)
+HALF_CACHE = {  # scenario -> eviction policy, each at half of the node's share
+    "shardcache_lru50": "lru",
+    "shardcache_static50": "static",
+    "shardcache_clairvoyant50": "clairvoyant",
+}
 RAY_SYSTEMS = ("ray_data", "shardcache", *SCENARIOS)
 DATASETS = ("images", "blobs")
 MIN_WARM_BATCHES = 100  # per rank, so a warm p99 is not a maximum
@@ -412,10 +422,10 @@ def _cache_side(
 
 def _scenario_env(system: str, values_bytes: int, nodes: int) -> dict[str, Any]:
     """Store settings of a scenario: a per-node budget of half its share of values."""
-    if system in ("shardcache_lru50", "shardcache_static50"):
+    if system in HALF_CACHE:
         return {
             "cache_bytes": values_bytes // (2 * nodes),
-            "eviction": "static" if "static" in system else "lru",
+            "eviction": HALF_CACHE[system],
             # The rank pins nothing, so the store's budget is all there is.
             "hold_bytes": 0,
         }

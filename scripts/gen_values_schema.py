@@ -16,7 +16,8 @@ import yaml
 CHART = Path(__file__).resolve().parents[1] / "helm" / "shardcache"
 # Constraints beyond type/default: enums and lower bounds that make bad values fail clearly.
 EXTRA: dict[str, dict[str, Any]] = {
-    "cache.eviction": {"enum": ["lru", "static"]},
+    "cache.eviction": {"enum": ["lru", "static", "clairvoyant"]},
+    "cache.disk.bytes": {"minimum": 1048576},
     "cache.cacheBytes": {"minimum": 1048576},
     "cache.fetchConcurrency": {"minimum": 1},
     "cache.fetchRetries": {"minimum": 0},

@@ -347,6 +347,18 @@ class DistributedCachedDataset(Dataset[Any]):
             "fingerprint": self.fingerprint,
             "generation": self.generation,
             "manifest": self.digest,
+            # The sampler's order is a pure function of these: a store plans
+            # its eviction on it (``clairvoyant``).
+            "order": {
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "seed": self._sampler.seed,
+                "shuffle": "global"
+                if self._sampler.mode == "global"
+                else self._sampler.shuffle,
+                "drop_last": self._sampler.drop_last,
+                "epoch": self._sampler.epoch,
+            },
         }
 
     def _reset_process_state(self) -> None:

@@ -21,6 +21,7 @@ DEFAULT_STATS_FLUSH_S = 1.0  # one Redis pipeline per store per second
 DEFAULT_SOURCE_BURST = 20  # requests a quiet source bucket may take at once
 DEFAULT_MAX_RESTARTS = 3  # a crash-looping store stops instead of hammering the source
 DEFAULT_RETIRE_GRACE_S = 3600.0  # an invalidated generation stays readable mid-epoch
+DEFAULT_DISK_BYTES = 64 * 2**30  # disk tier budget per node, when disk_dir is set
 
 
 class ServiceSettings(BaseSettings):
@@ -28,8 +29,18 @@ class ServiceSettings(BaseSettings):
 
     What to cache:
         cache_bytes: memory budget of one store (one per node). Defaults to 2 GiB.
-        eviction: ``"lru"`` or ``"static"`` (keep what fits, never evict).
-            Defaults to ``"lru"``.
+        eviction: ``"lru"``, ``"static"`` (keep what fits, never evict) or
+            ``"clairvoyant"`` (evict the chunk the ranks' known order needs
+            last: Belady's MIN; for datasets larger than the cache with
+            shuffled epochs). Defaults to ``"lru"``.
+        disk_dir: a directory on the node's local disk for the disk tier:
+            chunks are written there as chunk files when cached and stay
+            there when evicted from memory, so a memory miss is read from
+            disk instead of the source, and a store restarted on the same
+            node reloads them. One directory per host (a hostPath).
+            ``""`` (the default) turns the tier off.
+        disk_bytes: the disk tier's budget; the least recently used files
+            beyond it are deleted. Defaults to 64 GiB.
         retire_grace_s: how long the values of an invalidated generation stay
             readable by ranks that snapshotted it at ``set_epoch``. They share
             the budget and are evicted first. ``0`` frees them at once.
@@ -59,7 +70,9 @@ class ServiceSettings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = DEFAULT_NAMESPACE
     cache_bytes: int = Field(default=DEFAULT_CACHE_BYTES, gt=0)
-    eviction: Literal["lru", "static"] = "lru"
+    eviction: Literal["lru", "static", "clairvoyant"] = "lru"
+    disk_dir: str = ""
+    disk_bytes: int = Field(default=DEFAULT_DISK_BYTES, gt=0)
     retire_grace_s: float = Field(default=DEFAULT_RETIRE_GRACE_S, ge=0)
     fetch_concurrency: int = Field(default=DEFAULT_FETCH_CONCURRENCY, ge=1)
     fetch_retries: int = Field(default=DEFAULT_FETCH_RETRIES, ge=0)

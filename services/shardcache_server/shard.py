@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -27,6 +29,7 @@ import numpy as np
 from shardcache import keys
 from shardcache.errors import (
     BackendError,
+    ChunkFileError,
     ConfigError,
     ShardCacheError,
     StaleVersionError,
@@ -34,7 +37,8 @@ from shardcache.errors import (
 from shardcache.index import RedisIndex
 from shardcache.manifest import Manifest
 from shardcache_server.builder import BuildRequest, RayChunkBuilder
-from shardcache_server.eviction import make_policy
+from shardcache_server.disk_tier import DiskTier
+from shardcache_server.eviction import SamplerOrder, make_policy
 from shardcache_server.listing import Listings, RayLister, list_in_thread
 from shardcache_server.retired import RetiredGenerations
 from shardcache_server.settings import ServiceSettings
@@ -50,6 +54,7 @@ Item = tuple[str, str, int]  # (chunk key, chunk version, source bytes)
 Builder = Callable[[BuildRequest], Awaitable[tuple[Any, dict[str, Any]]]]
 Result = tuple[Any, ...]
 RESYNC_BACKOFF_S = 1.0  # pause between Redis reconnect attempts of the listener
+DISK_WRITES = 2  # chunk files written at once per store (sequential disk bandwidth)
 
 
 def store_name(node_id: str) -> str:
@@ -121,6 +126,17 @@ class CacheShard:
         self._build = build
         self._policy = make_policy(self.settings.eviction, self.settings.cache_bytes)
         self._retired = RetiredGenerations(self.settings.retire_grace_s)
+        self._disk = (
+            DiskTier(
+                self.settings.disk_dir,
+                self.settings.namespace,
+                self.settings.disk_bytes,
+            )
+            if self.settings.disk_dir
+            else None
+        )
+        self._disk_writes: set[asyncio.Task[None]] = set()
+        self._disk_slots: asyncio.Semaphore | None = None
         # Under Ray (no build function given) listings run in a task too.
         self._listings = Listings(
             self._get,
@@ -159,6 +175,9 @@ class CacheShard:
         self._event("store_start", "", incarnation=self.incarnation)
         self._tasks.append(self._loop.create_task(self._flush_forever()))
         self._tasks.append(self._loop.create_task(self._release_predecessors()))
+        if self._disk is not None:  # adopt what a previous store left on disk
+            self._disk_slots = asyncio.Semaphore(DISK_WRITES)
+            self._tasks.append(self._loop.create_task(self._scan_disk()))
         threading.Thread(
             target=self._listen_forever, name="invalidations", daemon=True
         ).start()
@@ -173,6 +192,7 @@ class CacheShard:
         self._stop.set()
         for t in self._tasks:
             t.cancel()
+        await self.flush_disk()
         await self._flush_once()
         self._pool.shutdown(wait=False)
 
@@ -193,6 +213,10 @@ class CacheShard:
         self._ensure_started()
         name = keys.validate_name("dataset name", spec["name"])
         manifest = await self._manifest_by_digest(name, spec["manifest"], spec)
+        if spec.get("order"):  # the rank's sampler: clairvoyant eviction plans on it
+            self._policy.learn(
+                name, SamplerOrder.from_spec(spec["order"], manifest.layout.sizes())
+            )
         # Advance first: the generation being retired keeps its own spec.
         self._advance(name, int(spec["generation"]))
         self._datasets[name] = _Dataset(
@@ -365,6 +389,8 @@ class CacheShard:
             return [("error", "StaleVersionError", msg)] * len(items)
         if generation > known:
             self._advance(dataset, generation)
+        if not forwarded:  # one call is one batch of a local rank
+            self._policy.observe([(dataset, url) for url, _, _ in items])
         results: list[Result | None] = [None] * len(items)
         waiting: dict[int, asyncio.Future[Result]] = {}
         to_load: list[Item] = []
@@ -413,6 +439,11 @@ class CacheShard:
             self._evict_local(k)
         if urls is None:
             self._retired.drop(dataset)
+            if self._disk is not None:
+                await asyncio.to_thread(self._disk.drop, dataset)
+        elif self._disk is not None:
+            for url in urls:
+                await asyncio.to_thread(self._disk.remove, dataset, url)
         return len(victims)
 
     async def info(self) -> dict[str, Any]:
@@ -423,6 +454,7 @@ class CacheShard:
         return {
             "node_id": self.node_id,
             "incarnation": self.incarnation,
+            "pid": os.getpid(),
             "used_bytes": self._policy.used_bytes,
             "budget_bytes": self._policy.budget_bytes,
             "entries": len(self._table),
@@ -432,6 +464,7 @@ class CacheShard:
             "dropped_stat_flushes": self._stats.dropped_flushes,
             "inflight": len(self._inflight),
             **self._retired.summary(),
+            **(self._disk.summary() if self._disk is not None else {}),
         }
 
     async def snapshot(self, dataset: str) -> dict[str, dict[str, Any]]:
@@ -593,6 +626,8 @@ class CacheShard:
     async def _load(self, ds: _Dataset, generation: int, item: Item) -> None:
         chunk, version, _ = item
         key = (ds.name, generation, chunk, version)
+        if self._disk is not None and await self._load_from_disk(ds, generation, item):
+            return
         base = self._table.get((ds.name, chunk))
         try:
             ref, report = await self._build_chunk(ds, chunk, base)
@@ -678,7 +713,14 @@ class CacheShard:
         self._stats.add(key, "errors", len(report["errors"]))
 
     def _admit(
-        self, dataset: str, generation: int, chunk: str, value: _Cached, size: int
+        self,
+        dataset: str,
+        generation: int,
+        chunk: str,
+        value: _Cached,
+        size: int,
+        *,
+        on_disk: bool = False,
     ) -> bool:
         overflow = (
             self._policy.used_bytes
@@ -696,6 +738,8 @@ class CacheShard:
             self._stats.add((dataset, generation), "uncached")
             return False
         self._table[(dataset, chunk)] = value
+        if self._disk is not None and not on_disk:
+            self._spill_soon(dataset, generation, chunk, value)
         entry = {
             "etag": value.etag,
             "size": size,
@@ -707,7 +751,10 @@ class CacheShard:
         }
         evicted_keys: dict[str, list[str]] = defaultdict(list)
         for ds, k in evicted:
-            evicted_keys[ds].append(k)
+            # A chunk whose file is on this node's disk is still served from
+            # here: its entry and claim stay.
+            if self._disk is None or not self._disk.has(ds, k):
+                evicted_keys[ds].append(k)
         self._index_write(
             lambda idx: (
                 idx.record_entries(dataset, generation, {chunk: entry}),
@@ -718,6 +765,99 @@ class CacheShard:
             )
         )
         return True
+
+    # -- disk tier -------------------------------------------------------------
+    async def _scan_disk(self) -> None:
+        assert self._disk is not None
+        found = await asyncio.to_thread(self._disk.scan)
+        if found:
+            self._event("disk_adopted", "", files=found)
+
+    async def _load_from_disk(self, ds: _Dataset, generation: int, item: Item) -> bool:
+        """Serve a chunk from this node's disk tier if its file matches the
+        version, generation and preprocess asked for; False if it does not."""
+        assert self._disk is not None
+        chunk, version, size = item
+        expect = {
+            "version": version,
+            "generation": generation,
+            "fingerprint": ds.fingerprint,
+        }
+        columns = await asyncio.to_thread(self._disk.read, ds.name, chunk, expect)
+        if columns is None:
+            return False
+        # Into the object store (one copy of the mapped pages), so the rank's
+        # read path is the same as for a chunk built from the source.
+        ref = await asyncio.to_thread(self._put, columns)
+        self._stats.add((ds.name, generation), "disk_hits")
+        lo, hi = ds.manifest.layout.bounds(_chunk_index(chunk))
+        value = _Cached(
+            ref,
+            version,
+            generation,
+            int(sum(v.nbytes for v in columns.values())),
+            ds.manifest.hashes[lo:hi].copy(),
+        )
+        admitted = self._generation[ds.name] == generation and self._admit(
+            ds.name, generation, chunk, value, size, on_disk=True
+        )
+        self._settle(
+            (ds.name, generation, chunk, version),
+            ("hit" if admitted else "uncached", ref),
+        )
+        return True
+
+    def _spill_soon(
+        self, dataset: str, generation: int, chunk: str, value: _Cached
+    ) -> None:
+        """Write a newly cached chunk to the disk tier in the background."""
+        if self._loop is None:
+            return
+        task = self._loop.create_task(self._spill(dataset, generation, chunk, value))
+        self._disk_writes.add(task)
+        task.add_done_callback(self._disk_writes.discard)
+
+    async def _spill(
+        self, dataset: str, generation: int, chunk: str, value: _Cached
+    ) -> None:
+        assert self._disk is not None and self._disk_slots is not None
+        ds = self._datasets.get(dataset)
+        if ds is None:
+            return
+        async with self._disk_slots:
+            columns = self._get(value.ref)
+            if inspect.isawaitable(columns):
+                columns = await columns
+            meta = {
+                "version": value.etag,
+                "generation": generation,
+                "fingerprint": ds.fingerprint,
+            }
+            try:
+                dropped = await asyncio.to_thread(
+                    self._disk.write, dataset, chunk, columns, meta
+                )
+            except (ChunkFileError, OSError) as exc:  # served from memory only
+                self._stats.add((dataset, generation), "disk_errors")
+                log.warning("chunk %s/%s not written to disk: %s", dataset, chunk, exc)
+                return
+        self._stats.add((dataset, generation), "disk_writes")
+        gone: dict[str, list[str]] = defaultdict(list)
+        for ds_name, k in dropped:  # deleted for the disk budget, not in memory
+            if (ds_name, k) not in self._table:
+                gone[ds_name].append(k)
+        for ds_name, ks in gone.items():
+            self._index_write(
+                lambda idx, d=ds_name, ks=ks: idx.release(
+                    d, self._generation[d], ks, self.me
+                )
+            )
+
+    async def flush_disk(self) -> dict[str, int]:
+        """Wait for the disk writes in flight (tests, graceful shutdown)."""
+        while self._disk_writes:
+            await asyncio.gather(*list(self._disk_writes), return_exceptions=True)
+        return self._disk.summary() if self._disk is not None else {}
 
     def _settle(self, key: tuple[str, int, str, str], result: Result) -> None:
         fut = self._inflight.pop(key, None)

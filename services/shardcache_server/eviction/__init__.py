@@ -4,12 +4,25 @@ from __future__ import annotations
 
 from shardcache.errors import ConfigError
 from shardcache_server.eviction.base import EvictionPolicy
+from shardcache_server.eviction.clairvoyant import ClairvoyantPolicy, SamplerOrder
 from shardcache_server.eviction.lru import LRUPolicy
 from shardcache_server.eviction.static import StaticPolicy
 
-__all__ = ["POLICIES", "EvictionPolicy", "LRUPolicy", "StaticPolicy", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "ClairvoyantPolicy",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "SamplerOrder",
+    "StaticPolicy",
+    "make_policy",
+]
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "static": StaticPolicy}
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "static": StaticPolicy,
+    "clairvoyant": ClairvoyantPolicy,
+}
 
 
 def make_policy(name: str, budget_bytes: int) -> EvictionPolicy:

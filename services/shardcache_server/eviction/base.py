@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
+from typing import Any
 
 __all__ = ["EvictionPolicy"]
 
@@ -31,6 +32,14 @@ class EvictionPolicy:
 
     def touch(self, key: Hashable) -> None:
         """Record a hit on ``key``."""
+
+    def observe(self, keys: Iterable[Hashable]) -> None:
+        """One store call asked for ``keys`` (hits and misses, before either
+        is served); only policies that plan ahead use it."""
+
+    def learn(self, dataset: str, order: Any) -> None:
+        """Take a rank's sampler order (a ``SamplerOrder``); only policies
+        that plan ahead (``clairvoyant``) use it."""
 
     def remove(self, key: Hashable) -> None:
         nbytes = self._sizes.pop(key, None)
