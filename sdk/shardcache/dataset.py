@@ -15,9 +15,9 @@ import torch
 from torch.utils.data import Dataset
 
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
-from shardcache.client import CacheClient
 from shardcache.config import ClientConfig
 from shardcache.decoders import raw_bytes
+from shardcache.endpoint import open_client
 from shardcache.errors import (
     ConfigError,
     IndexUnavailable,
@@ -97,6 +97,11 @@ class DistributedCachedDataset(Dataset[Any]):
 
     Where the cache is:
         redis_url, ray_address: ``None`` uses the embedded local defaults.
+            A pod outside Ray reads through its node's cache worker instead
+            (``SHARDCACHE_ENDPOINT``, see ``shardcache.endpoint``).
+        allow_remote: with no cache worker on this node, stream chunks from
+            one on another node (``SHARDCACHE_REMOTE_URL``, Arrow Flight).
+            Defaults to ``SHARDCACHE_ALLOW_REMOTE`` or ``False``.
         namespace: deployment namespace. Defaults to ``SHARDCACHE_NAMESPACE`` or "default".
 
     How ranks split it:
@@ -147,6 +152,7 @@ class DistributedCachedDataset(Dataset[Any]):
         consistency: str = "epoch",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         chunk_samples: int = DEFAULT_CHUNK_SAMPLES,
+        allow_remote: bool | None = None,
     ):
         for label, fn in (
             ("preprocess", preprocess),
@@ -176,6 +182,7 @@ class DistributedCachedDataset(Dataset[Any]):
                 "ray_address": ray_address,
                 "namespace": namespace,
                 "prefetch_batches": prefetch_batches,
+                "allow_remote": allow_remote,
             }.items()
             if v is not None
         }
@@ -210,7 +217,7 @@ class DistributedCachedDataset(Dataset[Any]):
         self.fingerprint = fingerprint(self.preprocess) + (
             f"+target:{fingerprint(target)}" if target is not None else ""
         )
-        self._client = CacheClient(self.config)
+        self._client = open_client(self.config)
         ref, self.digest = self._client.manifest(self._spec)
         self.manifest = self._map_manifest(ref)
         self._sampler = ShardSampler(
@@ -226,11 +233,8 @@ class DistributedCachedDataset(Dataset[Any]):
         self._reset_process_state()
 
     # -- setup --------------------------------------------------------------------
-    @staticmethod
-    def _map_manifest(ref: Any) -> Manifest:
-        import ray
-
-        return Manifest.from_object(ray.get(ref))
+    def _map_manifest(self, ref: Any) -> Manifest:
+        return self._client.map_manifest(ref)
 
     def _register_in_index(self) -> int:
         source = self.urls if isinstance(self.urls, str) else f"{len(self.urls)} urls"
@@ -293,7 +297,7 @@ class DistributedCachedDataset(Dataset[Any]):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._client = CacheClient(self.config)
+        self._client = open_client(self.config)
         self.manifest = None  # type: ignore[assignment]
         self._reset_process_state()
 
@@ -301,7 +305,7 @@ class DistributedCachedDataset(Dataset[Any]):
         if self._attached and self._pid == os.getpid() and self._reader is not None:
             return self._reader
         if self._pid != os.getpid():
-            self._client = CacheClient(self.config)
+            self._client = open_client(self.config)
             self._reset_process_state()
         self._client.register(self._store_spec(), self.preprocess, self.target)
         if self.manifest is None:
