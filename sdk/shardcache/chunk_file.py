@@ -29,7 +29,7 @@ import numpy as np
 
 from shardcache.errors import ChunkFileError
 
-__all__ = ["MAGIC", "read_chunk_file", "write_chunk_file"]
+__all__ = ["MAGIC", "read_chunk_buffer", "read_chunk_file", "write_chunk_file"]
 
 MAGIC = b"SHCHUNK1"
 _ALIGN_BYTES = 64  # cache-line alignment of every column
@@ -117,13 +117,27 @@ def read_chunk_file(
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError) as exc:
         raise ChunkFileError(f"cannot map chunk file {path}: {exc}") from exc
-    if mapped[: len(MAGIC)] != MAGIC:
-        raise ChunkFileError(f"{path} is not a chunk file (bad magic)")
-    length = int.from_bytes(mapped[len(MAGIC) : len(MAGIC) + 8], "little")
+    return read_chunk_buffer(mapped, str(path))
+
+
+def read_chunk_buffer(
+    buffer: Any, source: str = "buffer"
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The columns (zero-copy views of ``buffer``) and meta of a chunk file's
+    bytes: a read-only ``mmap`` of a file descriptor handed over a socket, or
+    bytes received over the network. ``source`` names it in errors.
+
+    Raises:
+        ChunkFileError: the bytes are truncated or not a chunk file.
+    """
+    view = memoryview(buffer)
+    if bytes(view[: len(MAGIC)]) != MAGIC:
+        raise ChunkFileError(f"{source} is not a chunk file (bad magic)")
+    length = int.from_bytes(view[len(MAGIC) : len(MAGIC) + 8], "little")
     header_end = len(MAGIC) + 8 + length
     try:
-        header = json.loads(mapped[len(MAGIC) + 8 : header_end])
-        body = memoryview(mapped)[_aligned(header_end) :]
+        header = json.loads(bytes(view[len(MAGIC) + 8 : header_end]))
+        body = view[_aligned(header_end) :]
         columns = {}
         for entry in header["columns"]:
             dtype = np.dtype(entry["dtype"])
@@ -134,6 +148,6 @@ def read_chunk_file(
             columns[entry["name"]] = array.reshape(entry["shape"])
     except (ValueError, KeyError, TypeError) as exc:
         raise ChunkFileError(
-            f"chunk file {path} is corrupt or truncated: {exc}"
+            f"chunk file {source} is corrupt or truncated: {exc}"
         ) from exc
     return columns, header.get("meta", {})

@@ -10,6 +10,7 @@ from shardcache import errors
 from shardcache.config import ClientConfig
 from shardcache.errors import ConfigError, ShardCacheError, ShardUnavailable
 from shardcache.index import RedisIndex
+from shardcache.manifest import Manifest
 
 __all__ = ["CacheClient", "DatasetSpec"]
 
@@ -50,6 +51,8 @@ class CacheClient:
     Args:
         config: where Redis and Ray are. Nothing connects until first use.
     """
+
+    remote = False  # chunks come from this node's object store (or Ray moves them)
 
     def __init__(self, config: ClientConfig | None = None):
         self.config = config or ClientConfig()
@@ -139,6 +142,52 @@ class CacheClient:
                 "stores (restarted). Build the dataset again or call refresh()."
             )
         return refs[0]
+
+    @staticmethod
+    def map_manifest(ref: Any) -> Manifest:
+        """Map a published manifest from the object store (zero-copy)."""
+        import ray
+
+        return Manifest.from_object(ray.get(ref))
+
+    @property
+    def retryable_errors(self) -> tuple[type[Exception], ...]:
+        """Errors a background prefetch swallows (the loop asks again)."""
+        import ray
+
+        return (errors.BackendError, errors.StaleVersionError, ray.exceptions.RayError)
+
+    def resolve(
+        self,
+        name: str,
+        generation: int,
+        items: Sequence[tuple[str, str, int]],
+        digest: str | None = None,
+    ) -> list[tuple[str, Any]]:
+        """``(status, columns)`` per chunk: :meth:`get_refs` then one ``ray.get``
+        (zero-copy views of this node's object store).
+
+        Raises:
+            the errors of :meth:`get_refs`; ``ray.exceptions.GetTimeoutError``.
+        """
+        import ray
+
+        for attempt in range(2):
+            results = self.get_refs(name, generation, items, digest)
+            try:
+                values = ray.get(
+                    [ref for _, ref in results], timeout=self.config.request_timeout_s
+                )
+                break
+            except ray.exceptions.ObjectLostError:
+                # The store that owned these chunks died after answering
+                # (OwnerDiedError is an ObjectLostError): ask again, within
+                # this batch; the client reaches the store's successor.
+                if attempt == 1:
+                    raise
+        return [
+            (status, value) for (status, _), value in zip(results, values, strict=True)
+        ]
 
     def register(
         self,

@@ -34,6 +34,22 @@ class ClientConfig(BaseSettings):
             zero-copy views between batches (a warm batch then needs no Ray
             call); past it samples are read through Ray every time, so the
             stores' eviction stays in charge. Defaults to 2 GiB.
+        endpoint: the node-local endpoint's Unix socket (a pod outside Ray
+            reads through the cache worker of its node; the chart mounts it
+            at ``/var/run/shardcache/endpoint.sock``). ``None`` uses that
+            path when it exists, else the Ray path. Defaults to ``None``.
+        node_name: this pod's Kubernetes node (the downward API's
+            ``spec.nodeName``), named in errors. Setting it without a
+            reachable endpoint is an error, never a fallback to Ray.
+            Defaults to ``None``.
+        allow_remote: with no endpoint on this node, stream chunks from a
+            cache worker on another node at ``remote_url`` (Arrow Flight).
+            Defaults to ``False``.
+        remote_url: ``grpc://host:port`` or ``grpc+tls://host:port`` of the
+            cache workers' streaming Service. Defaults to ``None``.
+        remote_token: the bearer token of that service. Defaults to ``None``.
+        remote_ca: a PEM file of the CA that signed the service's
+            certificate (``grpc+tls``). Defaults to ``None``.
     """
 
     model_config = SettingsConfigDict(env_prefix="SHARDCACHE_", extra="ignore")
@@ -44,6 +60,12 @@ class ClientConfig(BaseSettings):
     prefetch_batches: int = Field(default=DEFAULT_PREFETCH_BATCHES, ge=0)
     request_timeout_s: float = Field(default=DEFAULT_REQUEST_TIMEOUT_S, gt=0)
     hold_bytes: int = Field(default=DEFAULT_HOLD_BYTES, ge=0)
+    endpoint: str | None = None
+    node_name: str | None = None
+    allow_remote: bool = False
+    remote_url: str | None = None
+    remote_token: str | None = Field(default=None, repr=False)
+    remote_ca: str | None = None
 
     @field_validator("namespace")
     @classmethod

@@ -18,6 +18,7 @@ from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
 from shardcache.client import CacheClient
 from shardcache.config import ClientConfig
 from shardcache.decoders import as_arrays, raw_bytes
+from shardcache.endpoint import open_client
 from shardcache.errors import (
     ConfigError,
     IndexUnavailable,
@@ -128,6 +129,11 @@ class DistributedCachedDataset(Dataset[Any]):
 
     Where the cache is:
         redis_url, ray_address: ``None`` uses the embedded local defaults.
+            A pod outside Ray reads through its node's cache worker instead
+            (``SHARDCACHE_ENDPOINT``, see ``shardcache.endpoint``).
+        allow_remote: with no cache worker on this node, stream chunks from
+            one on another node (``SHARDCACHE_REMOTE_URL``, Arrow Flight).
+            Defaults to ``SHARDCACHE_ALLOW_REMOTE`` or ``False``.
         namespace: deployment namespace. Defaults to ``SHARDCACHE_NAMESPACE`` or "default".
 
     How ranks split it:
@@ -182,6 +188,7 @@ class DistributedCachedDataset(Dataset[Any]):
         format_options: dict[str, Any] | None = None,
         source_dataset: Any = None,
         source_version: str | None = None,
+        allow_remote: bool | None = None,
     ):
         for label, fn in (
             ("preprocess", preprocess),
@@ -211,6 +218,7 @@ class DistributedCachedDataset(Dataset[Any]):
                 "ray_address": ray_address,
                 "namespace": namespace,
                 "prefetch_batches": prefetch_batches,
+                "allow_remote": allow_remote,
             }.items()
             if v is not None
         }
@@ -258,7 +266,14 @@ class DistributedCachedDataset(Dataset[Any]):
         self.fingerprint = fingerprint(self.preprocess) + (
             f"+target:{fingerprint(target)}" if target is not None else ""
         )
-        self._client = CacheClient(self.config)
+        self._client = open_client(self.config)
+        if source_dataset is not None and not isinstance(self._client, CacheClient):
+            raise ConfigError(
+                "from_dataset ships the Dataset object to the cache workers through "
+                "Ray, so it needs a process on a Ray node (Ray Train, or torchrun on "
+                "the cache's Ray nodes); pods reading through the node-local endpoint "
+                "or remotely can read packed files (format=) instead."
+            )
         ref, self.digest = self._client.manifest(self._spec)
         self.manifest = self._map_manifest(ref)
         self._sampler = ShardSampler(
@@ -325,11 +340,8 @@ class DistributedCachedDataset(Dataset[Any]):
         )
 
     # -- setup --------------------------------------------------------------------
-    @staticmethod
-    def _map_manifest(ref: Any) -> Manifest:
-        import ray
-
-        return Manifest.from_object(ray.get(ref))
+    def _map_manifest(self, ref: Any) -> Manifest:
+        return self._client.map_manifest(ref)
 
     def _register_in_index(self) -> int:
         source = self.urls if isinstance(self.urls, str) else f"{len(self.urls)} urls"
@@ -404,7 +416,7 @@ class DistributedCachedDataset(Dataset[Any]):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._client = CacheClient(self.config)
+        self._client = open_client(self.config)
         self.manifest = None  # type: ignore[assignment]
         self._reset_process_state()
 
@@ -412,7 +424,7 @@ class DistributedCachedDataset(Dataset[Any]):
         if self._attached and self._pid == os.getpid() and self._reader is not None:
             return self._reader
         if self._pid != os.getpid():
-            self._client = CacheClient(self.config)
+            self._client = open_client(self.config)
             self._reset_process_state()
         self._client.register(self._store_spec(), self.preprocess, self.target)
         if self.manifest is None:

@@ -7,13 +7,18 @@ result recorded in a state file (mode 0600, it holds the Redis password).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +40,8 @@ __all__ = [
 
 REDIS_START_TIMEOUT_S = 10.0
 RAY_START_TIMEOUT_S = 120.0
+RAY_TEMP_DIR_MAX_CHARS = 40  # session and socket names add ~65 of Ray's 107 bytes
+STOP_GRACE_S = 10.0  # SIGTERM to SIGKILL for the processes of our Ray head
 
 
 def state_dir() -> Path:
@@ -185,24 +192,64 @@ def attach_ray(address: str | None, *, namespace: str | None = None) -> None:
             return
         except (ConnectionError, RuntimeError, ValueError):
             pass
-        ray_bin = Path(sys.executable).parent / "ray"
-        cmd = [
-            str(ray_bin),
-            "start",
-            "--head",
-            "--node-ip-address=127.0.0.1",
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-        ]
-        done = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=RAY_START_TIMEOUT_S
+        recorded = _recorded_ray(home)
+        if recorded.get("address"):
+            try:
+                ray.init(address=recorded["address"], **kwargs)
+                return
+            except (ConnectionError, RuntimeError, ValueError):
+                pass
+        ray.init(address=_start_ray_head(home), **kwargs)
+
+
+def _ray_temp_dir(home: Path) -> Path:
+    """The temp dir of the Ray head shardcache starts: every process of that
+    head names it on its command line, which is how ``stop_local`` finds
+    them. Ray's socket paths must fit 107 bytes, so a long state dir gets a
+    short directory under /tmp instead."""
+    own = home / "ray"
+    if len(str(own)) <= RAY_TEMP_DIR_MAX_CHARS:
+        return own
+    digest = hashlib.sha256(str(home).encode()).hexdigest()[:10]
+    return Path(tempfile.gettempdir()) / f"shardcache-ray-{digest}"
+
+
+def _recorded_ray(home: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads((home / "ray.json").read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _start_ray_head(home: Path) -> str:
+    """``ray start --head`` in shardcache's own temp dir; returns its address."""
+    temp_dir = _ray_temp_dir(home)
+    ray_bin = Path(sys.executable).parent / "ray"
+    cmd = [
+        str(ray_bin),
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+        f"--temp-dir={temp_dir}",
+        "--port=0",  # never the default 6379 another Ray on the machine may hold
+    ]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=RAY_START_TIMEOUT_S
+    )
+    if done.returncode != 0:
+        raise ShardUnavailable(
+            f"`ray start --head` failed: {done.stderr.strip()[-500:]}"
         )
-        if done.returncode != 0:
-            raise ShardUnavailable(
-                f"`ray start --head` failed: {done.stderr.strip()[-500:]}"
-            )
-        (home / "ray.json").write_text(json.dumps({"started": time.time()}))
-        ray.init(address="auto", **kwargs)
+    # With --temp-dir, Ray records the head's address there, not in /tmp/ray.
+    address = (temp_dir / "ray_current_cluster").read_text().strip()
+    (home / "ray.json").write_text(
+        json.dumps(
+            {"started": time.time(), "temp_dir": str(temp_dir), "address": address}
+        )
+    )
+    return address
 
 
 def start_loopback_cluster(
@@ -237,23 +284,79 @@ def start_loopback_cluster(
 
 
 def stop_local() -> list[str]:
-    """Stop the embedded Redis and a Ray head that shardcache started."""
+    """Stop the embedded Redis and the Ray head that shardcache itself started.
+
+    Only those: Redis by the pid it recorded (checked to still be a
+    ``redis-server``), Ray by its own temp dir (the processes whose command
+    line names it), never every Ray process of the machine as
+    ``ray stop --force`` would. Returns what was stopped.
+    """
     home = state_dir()
     stopped = []
     state = home / "redis.json"
     if state.exists():
         try:
             pid = int(json.loads(state.read_text())["pid"])
-            os.kill(pid, 15)
-            stopped.append(f"redis (pid {pid})")
+            if "redis-server" in _cmdline(pid):
+                os.kill(pid, signal.SIGTERM)
+                stopped.append(f"redis (pid {pid})")
         except (ValueError, KeyError, ProcessLookupError):
             pass
         state.unlink()
+    recorded = _recorded_ray(home)
     if (home / "ray.json").exists():
-        ray_bin = Path(sys.executable).parent / "ray"
-        subprocess.run(
-            [str(ray_bin), "stop", "--force"], capture_output=True, timeout=120
-        )
+        temp_dir = recorded.get("temp_dir")
+        if temp_dir:
+            pids = _terminate(_processes_naming(str(temp_dir)))
+            stopped.append(f"ray ({len(pids)} processes under {temp_dir})")
+        else:
+            stopped.append(
+                "nothing of ray: it was started by an older shardcache without a "
+                "temp dir of its own; stop it with `ray stop` if nothing else uses it"
+            )
         (home / "ray.json").unlink()
-        stopped.append("ray")
     return stopped
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace")
+
+
+def _processes_naming(path: str) -> list[int]:
+    """Pids whose command line names ``path`` (a directory) or a path under it."""
+    me = os.getpid()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        line = _cmdline(int(entry.name))
+        if re.search(re.escape(path.rstrip("/")) + r"(/|\s|$)", line):
+            found.append(int(entry.name))
+    return found
+
+
+def _terminate(pids: list[int], grace_s: float = STOP_GRACE_S) -> list[int]:
+    """SIGTERM ``pids``, then SIGKILL those still alive after ``grace_s``."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in alive if Path(f"/proc/{p}").exists() and not _zombie(p)]
+    for pid in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] == "Z"
+    except (OSError, IndexError):
+        return False

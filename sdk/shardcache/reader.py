@@ -5,7 +5,8 @@ vectorised search, makes sure the chunks are held (a warm batch: none to
 fetch, no Ray or Redis call), and copies rows into one preallocated batch
 tensor. A background thread resolves the chunks the coming batches need, in
 the order they are first needed, several store calls in flight, and maps
-them (``ray.get``) off the training loop.
+them (``ray.get``, or ``mmap`` of what the node-local endpoint hands over)
+off the training loop.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 from shardcache import errors
 from shardcache.chunks import PLAIN_FIELD, Chunk, batch_shape, gather
 from shardcache.client import CacheClient
-from shardcache.errors import BackendError, ShardCacheError, StaleVersionError
+from shardcache.endpoint import ProxyClient
+from shardcache.errors import ShardCacheError
 from shardcache.manifest import Manifest
 
 __all__ = ["ChunkReader"]
@@ -45,7 +47,8 @@ class ChunkReader:
     """Holds, resolves and prefetches one process's chunks of one dataset.
 
     Args:
-        client: this process's cache client (index + node store).
+        client: this process's cache client: ``CacheClient`` (the Ray path) or
+            a ``ProxyClient`` (the node-local endpoint, or a remote worker).
         name: the dataset. manifest: the listing the rank reads.
         digest: that listing's digest. hold_bytes: chunk bytes kept mapped.
         timeout_s: how long one resolution may wait.
@@ -53,7 +56,7 @@ class ChunkReader:
 
     def __init__(
         self,
-        client: CacheClient,
+        client: CacheClient | ProxyClient,
         name: str,
         manifest: Manifest,
         digest: str,
@@ -230,24 +233,17 @@ class ChunkReader:
 
     # -- resolution ---------------------------------------------------------------------
     def _resolve(self, chunks: list[int], generation: int) -> dict[int, Chunk]:
-        import ray
-
         items = self.manifest.chunk_items(chunks, self.versions)
-        for attempt in range(2):
-            results = self.client.get_refs(self.name, generation, items, self.digest)
-            try:
-                values = ray.get([ref for _, ref in results], timeout=self.timeout_s)
-                break
-            except ray.exceptions.ObjectLostError:
-                # The store that owned these chunks died after answering
-                # (OwnerDiedError is an ObjectLostError): ask again, within
-                # this batch; the client reaches the store's successor.
-                if attempt == 1:
-                    raise
+        results = self.client.resolve(self.name, generation, items, self.digest)
+        if self.client.remote:
+            # Bytes streamed from another node and the time spent receiving
+            # them: the remote read rate in stats()["served"].
+            self.counts["remote_bytes"] = self.client.received_bytes
+            self.counts["remote_us"] = int(self.client.received_s * 1e6)
         out: dict[int, Chunk] = {}
         with self._lock:
             current = generation == self.generation
-            for c, (status, _), value in zip(chunks, results, values, strict=True):
+            for c, (status, value) in zip(chunks, results, strict=True):
                 chunk = Chunk(value)
                 out[c] = chunk
                 if not current:
@@ -313,7 +309,7 @@ class ChunkReader:
             # twice: they could not be kept until the loop reaches them.
             if generation == self.generation and not self.saw_uncached:
                 self._resolve(group, generation)
-        except (BackendError, StaleVersionError, _ray_errors()):
+        except self.client.retryable_errors:
             pass  # the training loop asks again and raises with full context
         finally:
             for c in group:
@@ -338,12 +334,6 @@ class ChunkReader:
     @property
     def held_bytes(self) -> int:
         return self._held_bytes
-
-
-def _ray_errors() -> type[Exception]:
-    import ray
-
-    return ray.exceptions.RayError
 
 
 def _per_chunk(chunk_ids: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int, int]]:

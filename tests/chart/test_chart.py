@@ -20,10 +20,12 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "shardcache"
 K8S_VERSION = "1.35.0"
 CRD_KINDS = {
+    "PyTorchJob",
     "RayCluster",
     "RayJob",
     "ServiceMonitor",
-}  # validated by their operators, not core OpenAPI; RayJob's structure below
+}  # validated by their operators, not core OpenAPI; RayJob's structure below,
+# PyTorchJob's pod templates in test_endpoint_chart.py
 
 helm = pytest.importorskip("helm_python")
 pytestmark = pytest.mark.helm
@@ -149,9 +151,11 @@ def test_chart_settings_match_python_config():
 
     from shardcache.config import ClientConfig
     from shardcache_server.cli import app
+    from shardcache_server.endpoint import EndpointSettings
     from shardcache_server.settings import ServiceSettings
 
     known = {f"SHARDCACHE_{f.upper()}" for f in ServiceSettings.model_fields}
+    known |= {f"SHARDCACHE_{f.upper()}" for f in EndpointSettings.model_fields}
     known |= {f"SHARDCACHE_{f.upper()}" for f in ClientConfig.model_fields}
     command = typer.main.get_command(app)
     for sub in command.commands.values():  # type: ignore[attr-defined]
@@ -169,7 +173,11 @@ def test_chart_settings_match_python_config():
     ServiceSettings(
         **{k.removeprefix("SHARDCACHE_").lower(): v for k, v in config["data"].items()}
     )
-    used = set(re.findall(r"SHARDCACHE_[A-Z_]+", yaml.safe_dump_all(objs)))
+    endpoint_values = yaml.safe_load(
+        (CHART / "ci" / "endpoint-values.yaml").read_text()
+    )
+    rendered = yaml.safe_dump_all(objs) + yaml.safe_dump_all(objects(endpoint_values))
+    used = set(re.findall(r"SHARDCACHE_[A-Z_]+", rendered))
     assert used <= known, used - known
     # CLI entrypoints named by the chart exist.
     commands = set(command.commands)  # type: ignore[attr-defined]
@@ -487,7 +495,8 @@ def test_notes_never_tell_a_pod_outside_ray_to_ray_init(values):
     notes = render(values)["shardcache/templates/NOTES.txt"][0]["NOTES"]
     assert "ray.init" not in notes
     assert "RAY_ADDRESS" not in notes
-    assert "PyTorchJob" in notes and "not yet available" in notes.lower()
+    # Pods outside Ray are served by the node-local endpoint (issue 18), never Ray.
+    assert "PyTorchJob" in notes and "node-local endpoint" in notes
     assert "RayJob" in notes
 
 

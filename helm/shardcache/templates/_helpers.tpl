@@ -113,6 +113,20 @@ app.kubernetes.io/component: {{ .component }}
 {{- $messages = append $messages "examples.rayJob.url: set the dataset URL the example trains on, e.g. s3://bucket/train/." }}
 {{- end }}
 {{- end }}
+{{- if and .Values.endpoint.enabled .Values.kuberay.enabled }}
+{{- $messages = append $messages "endpoint.enabled needs kuberay.enabled=false: the endpoint runs in the chart's cache worker DaemonSet." }}
+{{- end }}
+{{- if and .Values.endpoint.flight.enabled (not .Values.endpoint.enabled) }}
+{{- $messages = append $messages "endpoint.flight.enabled needs endpoint.enabled=true: Flight is served by the node-local endpoint." }}
+{{- end }}
+{{- with .Values.examples.pyTorchJob }}
+{{- if and .enabled (not $.Values.endpoint.enabled) }}
+{{- $messages = append $messages "examples.pyTorchJob.enabled needs endpoint.enabled=true: its pods read through the node-local endpoint." }}
+{{- end }}
+{{- if and .enabled (not .url) }}
+{{- $messages = append $messages "examples.pyTorchJob.url: set the dataset URL the example trains on, e.g. s3://bucket/train/." }}
+{{- end }}
+{{- end }}
 {{- if $messages }}
 {{- fail (printf "\nVALUES VALIDATION:\n%s" (join "\n" $messages)) }}
 {{- end }}
@@ -133,5 +147,56 @@ process that talks to Redis can read it; the URL names it with
 {{- if .Values.redis.external.caSecret }}
 - name: redis-ca
   secret: {secretName: {{ .Values.redis.external.caSecret | quote }}, items: [{key: ca.crt, path: ca.crt}]}
+{{- end }}
+{{- end }}
+
+{{- define "shardcache.flightTokenSecretName" -}}
+{{- default (printf "%s-flight-token" (include "shardcache.fullname" .)) .Values.endpoint.flight.tokenSecret }}
+{{- end }}
+
+{{- define "shardcache.endpointSocket" -}}
+{{ trimSuffix "/" .Values.endpoint.hostPath }}/endpoint.sock
+{{- end }}
+
+{{/*
+What a training pod outside Ray needs to read through its node's cache
+worker (issue 18): the socket's hostPath mounted read-only, where it is
+(SHARDCACHE_ENDPOINT), which node the pod is on (downward API), and the
+deployment namespace. With Flight, also where to stream from when the node
+has no cache worker (allow_remote=True) and the token, from a copy of the
+chart's Secret in the training namespace.
+*/}}
+{{- define "shardcache.trainingPodEnv" -}}
+- name: SHARDCACHE_ENDPOINT
+  value: {{ include "shardcache.endpointSocket" . | quote }}
+- name: SHARDCACHE_NODE_NAME
+  valueFrom: {fieldRef: {fieldPath: spec.nodeName}}
+- name: SHARDCACHE_NAMESPACE
+  value: {{ .Values.cacheNamespace | quote }}
+{{- if .Values.endpoint.flight.enabled }}
+- name: SHARDCACHE_REMOTE_URL
+  value: "{{ ternary "grpc+tls" "grpc" (ne .Values.endpoint.flight.tlsSecret "") }}://{{ include "shardcache.fullname" . }}-flight.{{ .Release.Namespace }}.svc:{{ .Values.endpoint.flight.port }}"
+- name: SHARDCACHE_REMOTE_TOKEN
+  valueFrom: {secretKeyRef: {name: {{ include "shardcache.flightTokenSecretName" . }}, key: token}}
+{{- if .Values.endpoint.flight.tlsSecret }}
+- name: SHARDCACHE_REMOTE_CA
+  value: /etc/shardcache/flight-ca/ca.crt
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "shardcache.trainingPodMounts" -}}
+- {name: shardcache-endpoint, mountPath: {{ .Values.endpoint.hostPath | quote }}, readOnly: true}
+{{- if and .Values.endpoint.flight.enabled .Values.endpoint.flight.tlsSecret }}
+- {name: shardcache-flight-ca, mountPath: /etc/shardcache/flight-ca, readOnly: true}
+{{- end }}
+{{- end }}
+
+{{- define "shardcache.trainingPodVolumes" -}}
+- name: shardcache-endpoint
+  hostPath: {path: {{ .Values.endpoint.hostPath | quote }}, type: DirectoryOrCreate}
+{{- if and .Values.endpoint.flight.enabled .Values.endpoint.flight.tlsSecret }}
+- name: shardcache-flight-ca
+  secret: {secretName: {{ .Values.endpoint.flight.tlsSecret | quote }}, items: [{key: tls.crt, path: ca.crt}]}
 {{- end }}
 {{- end }}

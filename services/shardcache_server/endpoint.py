@@ -1,0 +1,416 @@
+"""The node-local endpoint: serves training pods that are not Ray nodes.
+
+It runs in the cache worker pod (the chart's DaemonSet) as a Ray driver
+beside that pod's raylet, so it reaches this node's store and maps its
+chunks zero-copy, and it answers ranks on a Unix socket on a ``hostPath``
+(``sdk/shardcache/endpoint.py`` has the wire format and the client). A
+chunk a rank asks for is written once per node, as a chunk file in a
+memory-backed volume (``endpoint_shm_dir``, an ``emptyDir`` with
+``medium: Memory``), and handed over as a read-only file descriptor; ranks
+map it, so the node holds at most one extra copy per chunk and none per
+rank. Files are kept in an LRU within ``endpoint_shm_bytes``; evicting one
+that ranks still map is safe (the pages live until they unmap).
+
+Every request goes through the same calls a Ray rank makes (``CacheClient``
+for the store, ``RedisIndex`` for the index), so claims, generations,
+invalidation, refresh and stats are those of the Ray path. The index calls a
+rank may make are a fixed list; the usage counters are written by the
+usage module's own Lua script, accepted only by its hash and only on this
+namespace's usage keys.
+
+The same operations are served over Arrow Flight for ranks on other nodes
+(``flight.py``). Run it as ``python -m shardcache_server.endpoint``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import socketserver
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from shardcache import errors
+from shardcache.chunk_file import write_chunk_file
+from shardcache.client import CacheClient
+from shardcache.config import ClientConfig
+from shardcache.endpoint import (
+    DEFAULT_SOCKET,
+    INDEX_OPS,
+    MAX_FDS_PER_FRAME,
+    load_callable,
+    recv_frame,
+    send_frame,
+    usage_prefix,
+)
+from shardcache.errors import ConfigError, ShardCacheError
+from shardcache.index import RedisIndex
+from shardcache.usage import _APPLY as USAGE_SCRIPT
+from shardcache_server.settings import ServiceSettings
+
+__all__ = ["Endpoint", "EndpointSettings", "ShmFiles", "main", "serve_unix"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SHM_DIR = "/var/lib/shardcache/shm"  # the chart's medium: Memory emptyDir
+DEFAULT_SHM_BYTES = 4 * 2**30  # chunk files kept for the node's ranks
+_USAGE_SHA = hashlib.sha1(USAGE_SCRIPT.encode()).hexdigest()
+
+Files = list[tuple[Path, bool]]  # (chunk file, unlink once handed over)
+
+
+class EndpointSettings(ServiceSettings):
+    """The endpoint's settings (``SHARDCACHE_*`` env, as the chart sets them).
+
+    Args:
+        endpoint_socket: the Unix socket ranks connect to (on a hostPath).
+            Defaults to ``/var/run/shardcache/endpoint.sock``.
+        endpoint_socket_mode: its permission bits; anyone who can open it
+            reads the cache. Defaults to ``0o660``.
+        endpoint_shm_dir: where chunk files are written (memory-backed).
+            Defaults to ``/var/lib/shardcache/shm``.
+        endpoint_shm_bytes: chunk file bytes kept for reuse. Defaults to 4 GiB.
+        node_name: the Kubernetes node (downward API), reported to ranks.
+        ray_address: the Ray node to drive. Defaults to ``"auto"`` (this pod's).
+        request_timeout_s: how long one store call may take. Defaults to 300.
+        flight_port: Arrow Flight port for other nodes' ranks; ``0`` is off.
+        flight_token: the bearer token Flight callers must send (required
+            when ``flight_port`` is set).
+        flight_tls_cert, flight_tls_key: PEM files; both set serves
+            ``grpc+tls``. Default to ``None`` (plain gRPC).
+    """
+
+    endpoint_socket: str = DEFAULT_SOCKET
+    endpoint_socket_mode: int = Field(default=0o660, ge=0, le=0o777)
+    endpoint_shm_dir: str = DEFAULT_SHM_DIR
+    endpoint_shm_bytes: int = Field(default=DEFAULT_SHM_BYTES, gt=0)
+    node_name: str = ""
+    ray_address: str = "auto"
+    request_timeout_s: float = Field(default=300.0, gt=0)
+    flight_port: int = Field(default=0, ge=0, le=65535)
+    flight_token: str | None = Field(default=None, repr=False)
+    flight_tls_cert: str | None = None
+    flight_tls_key: str | None = None
+
+
+class ShmFiles:
+    """Chunk files in a memory-backed directory, one per (chunk, version), LRU-bounded.
+
+    Args:
+        directory: where to write them (created).
+        max_bytes: bytes kept; past it the least recently handed over go.
+    """
+
+    def __init__(self, directory: str | Path, max_bytes: int):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._files: OrderedDict[str, tuple[Path, int]] = OrderedDict()
+        self._writing: dict[str, threading.Lock] = {}
+        self._bytes = 0
+        self._uncached = 0
+        self.written = 0  # files written (each one copy of a chunk on this node)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def ensure(
+        self,
+        key: tuple[Any, ...],
+        columns: Callable[[], dict[str, Any]],
+        meta: dict[str, Any],
+        keep: bool = True,
+    ) -> tuple[Path, bool]:
+        """The file of ``key``, written from ``columns()`` unless it exists.
+
+        ``keep=False`` (a chunk the store did not cache) writes a file of its
+        own that the caller unlinks once handed over. Returns ``(path, unlink)``.
+        """
+        name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
+        if not keep:
+            with self._lock:
+                self._uncached += 1
+                path = self.directory / f"u{self._uncached}-{name}.chunk"
+            write_chunk_file(path, columns(), meta)
+            self.written += 1
+            return path, True
+        with self._lock:
+            found = self._files.get(name)
+            if found is not None:
+                self._files.move_to_end(name)
+                return found[0], False
+            writing = self._writing.setdefault(name, threading.Lock())
+        with writing:  # two ranks asking at once: one writes, the other waits
+            with self._lock:
+                found = self._files.get(name)
+                if found is not None:
+                    return found[0], False
+            path = self.directory / f"{name}.chunk"
+            size = write_chunk_file(path, columns(), meta)
+            self.written += 1
+            with self._lock:
+                self._files[name] = (path, size)
+                self._bytes += size
+                self._writing.pop(name, None)
+                self._evict(keep_name=name)
+        return path, False
+
+    def _evict(self, keep_name: str) -> None:
+        while self._bytes > self.max_bytes and len(self._files) > 1:
+            name, (path, size) = next(iter(self._files.items()))
+            if name == keep_name:
+                self._files.move_to_end(name)
+                continue
+            del self._files[name]
+            self._bytes -= size
+            path.unlink(missing_ok=True)  # ranks mapping it keep their pages
+
+    def clear(self) -> None:
+        with self._lock:
+            for path, _ in self._files.values():
+                path.unlink(missing_ok=True)
+            self._files.clear()
+            self._bytes = 0
+
+
+class Endpoint:
+    """Answers one request (a JSON dict) with a JSON reply and the chunk files
+    to hand over; the transports (Unix socket, Flight) only move them.
+
+    Args:
+        settings: where Redis, Ray and the shared-memory directory are.
+    """
+
+    def __init__(self, settings: EndpointSettings):
+        self.settings = settings
+        self.client = CacheClient(
+            ClientConfig(
+                redis_url=settings.redis_url,
+                namespace=settings.namespace,
+                ray_address=settings.ray_address,
+                request_timeout_s=settings.request_timeout_s,
+            )
+        )
+        self.files = ShmFiles(settings.endpoint_shm_dir, settings.endpoint_shm_bytes)
+        self._usage_script: Any = None
+        self._usage_prefix = usage_prefix(settings.namespace)
+
+    @property
+    def index(self) -> RedisIndex:
+        return self.client.index
+
+    def start(self) -> None:
+        """Join this node's Ray and make sure its store runs."""
+        self.client.attach()
+
+    # -- one request --------------------------------------------------------------
+    def handle(self, message: dict[str, Any]) -> tuple[dict[str, Any], Files]:
+        """The reply to ``message`` and the files to hand over; never raises."""
+        op = str(message.get("op"))
+        try:
+            return self._dispatch(op, message)
+        except ShardCacheError as exc:
+            return _error(exc), []
+        except Exception as exc:  # a reply, never a dead connection
+            log.exception("endpoint %s failed", op)
+            return _error(
+                errors.BackendError(f"the cache endpoint failed on {op}: {exc!r}")
+            ), []
+
+    def _dispatch(self, op: str, m: dict[str, Any]) -> tuple[dict[str, Any], Files]:
+        if op == "hello":
+            if m.get("namespace") != self.settings.namespace:
+                raise ConfigError(
+                    f"this pod reads namespace {m.get('namespace')!r} but the cache "
+                    f"worker on node {self.settings.node_name or '?'} serves "
+                    f"{self.settings.namespace!r}; set SHARDCACHE_NAMESPACE to it."
+                )
+            return _ok({"node": self.settings.node_name}), []
+        if op in ("manifest", "manifest_of"):
+            if op == "manifest":
+                ref, digest = self.client.manifest(m["spec"], str(m.get("token", "")))
+                name = m["spec"]["name"]
+            else:
+                name, digest = m["name"], str(m["digest"])
+                ref = self.client.manifest_of(name, digest)
+            return _ok({"digest": digest}), [self._manifest_file(name, digest, ref)]
+        if op == "register_dataset":
+            spec = m["spec"]
+            pre_fp, _, target_fp = str(spec["fingerprint"]).partition("+target:")
+            preprocess = load_callable(m["preprocess"], pre_fp, "preprocess")
+            target = (
+                load_callable(m["target"], target_fp, "target")
+                if m.get("target")
+                else None
+            )
+            self.client.register(spec, preprocess, target)
+            return _ok(None), []
+        if op == "get":
+            return self._get(m)
+        if op in INDEX_OPS:
+            args = {k: v for k, v in m.items() if k != "op"}
+            return _ok(getattr(self.index, op)(**args)), []
+        if op == "usage_apply":
+            return _ok(self._usage_apply(m)), []
+        if op == "usage_hgetall":
+            self._check_usage_keys([m["key"]])
+            with self.index.errors():
+                return _ok(self.index.client.hgetall(m["key"])), []
+        raise ConfigError(f"unknown endpoint operation {op!r}")
+
+    def _get(self, m: dict[str, Any]) -> tuple[dict[str, Any], Files]:
+        items = [(str(k), str(v), int(n)) for k, v, n in m["items"]]
+        if len(items) > MAX_FDS_PER_FRAME:
+            raise ConfigError(f"at most {MAX_FDS_PER_FRAME} chunks per request")
+        name, generation = str(m["name"]), int(m["generation"])
+        results = self.client.resolve(name, generation, items, m.get("digest"))
+        files: Files = []
+        statuses = []
+        for (key, version, _), (status, columns) in zip(items, results, strict=True):
+            statuses.append(status)
+            files.append(
+                self.files.ensure(
+                    (self.settings.namespace, name, generation, key, version),
+                    lambda columns=columns: columns,
+                    {"dataset": name, "chunk": key, "version": version},
+                    keep=status != "uncached",
+                )
+            )
+        return {"statuses": statuses}, files
+
+    def _manifest_file(self, name: str, digest: str, ref: Any) -> tuple[Path, bool]:
+        manifest = self.client.map_manifest(ref)  # zero-copy; written once per node
+        return self.files.ensure(
+            (self.settings.namespace, "manifest", name, digest),
+            lambda: dict(manifest.columns),
+            {
+                "protocol": manifest.protocol,
+                "digest": digest,
+                # a packed manifest names its format (files + units, not objects)
+                **({"format": manifest.format} if hasattr(manifest, "format") else {}),
+            },
+        )
+
+    def _check_usage_keys(self, keys: list[str]) -> None:
+        for key in keys:
+            if not str(key).startswith(self._usage_prefix):
+                raise ConfigError(
+                    f"key {key!r} is outside this namespace's usage keys; the "
+                    "endpoint writes only rank usage counters for ranks."
+                )
+
+    def _usage_apply(self, m: dict[str, Any]) -> Any:
+        if m.get("sha") != _USAGE_SHA:
+            raise ConfigError(
+                "the rank's usage script differs from the cache worker's; run the "
+                "same shardcache version in the training image and the cache."
+            )
+        keys = [str(k) for k in m["keys"]]
+        self._check_usage_keys(keys)
+        with self.index.errors():
+            if self._usage_script is None:
+                self._usage_script = self.index.client.register_script(USAGE_SCRIPT)
+            return self._usage_script(keys=keys, args=list(m["args"]))
+
+
+def _ok(result: Any) -> dict[str, Any]:
+    return {"result": result}
+
+
+def _error(exc: ShardCacheError) -> dict[str, Any]:
+    return {"error": {"type": type(exc).__name__, "message": str(exc)}}
+
+
+# -- the Unix socket ----------------------------------------------------------------------
+class _Handler(socketserver.BaseRequestHandler):
+    server: _UnixServer
+
+    def handle(self) -> None:
+        sock = self.request
+        while True:
+            try:
+                message, fds = recv_frame(sock)
+            except (EOFError, OSError, ValueError):
+                return
+            for fd in fds:  # ranks send none; never keep what a peer pushed
+                os.close(fd)
+            reply, files = self.server.endpoint.handle(message)
+            opened = []
+            try:
+                for path, unlink in files:
+                    opened.append(os.open(path, os.O_RDONLY))
+                    if unlink:
+                        path.unlink(missing_ok=True)
+                send_frame(sock, reply, opened)
+            except OSError:
+                return
+            finally:
+                for fd in opened:
+                    os.close(fd)
+
+
+class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+    def __init__(self, path: str, endpoint: Endpoint):
+        self.endpoint = endpoint
+        super().__init__(path, _Handler)
+
+
+def serve_unix(endpoint: Endpoint) -> _UnixServer:
+    """Bind the endpoint's socket (replacing a stale one) and return the server;
+    call ``serve_forever()`` on it."""
+    path = Path(endpoint.settings.endpoint_socket)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)  # a socket left by a previous pod
+    server = _UnixServer(str(path), endpoint)
+    os.chmod(path, endpoint.settings.endpoint_socket_mode)
+    return server
+
+
+def main() -> None:
+    """Run the endpoint until SIGTERM: Unix socket, and Flight when configured."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    settings = EndpointSettings()
+    endpoint = Endpoint(settings)
+    endpoint.start()
+    flight_server = None
+    if settings.flight_port:
+        from shardcache_server.flight import serve_flight
+
+        flight_server = serve_flight(endpoint)
+        threading.Thread(target=flight_server.serve, daemon=True).start()
+    server = serve_unix(endpoint)
+
+    def stop(*_: Any) -> None:
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    log.info(
+        "shardcache endpoint on %s (node %s, flight port %s)",
+        settings.endpoint_socket,
+        settings.node_name or "?",
+        settings.flight_port or "off",
+    )
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+        Path(settings.endpoint_socket).unlink(missing_ok=True)
+        if flight_server is not None:
+            flight_server.shutdown()
+        endpoint.files.clear()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""The endpoint's operations over Arrow Flight, for ranks on other nodes.
+
+``DoAction`` carries a control operation (type = operation, body = JSON
+arguments) and returns one JSON result; ``DoGet`` carries a chunk or
+manifest request (the ticket is the same JSON the Unix socket takes) and
+streams one record batch per chunk: ``status``, ``error`` and ``data`` (the
+chunk file's bytes, sent from the mapped file without an Arrow copy). A
+failed request streams one row whose ``error`` is the JSON error, so the
+rank raises the project's own error type. Every call must carry
+``authorization: Bearer <flight_token>``; with a certificate and key the
+server speaks ``grpc+tls``. The client is ``sdk/shardcache/remote.py``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import mmap
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from shardcache.errors import ConfigError
+from shardcache_server.endpoint import Endpoint
+
+__all__ = ["FlightService", "serve_flight"]
+
+SCHEMA = pa.schema(
+    [
+        pa.field("status", pa.string()),
+        pa.field("error", pa.string()),
+        pa.field("data", pa.large_binary()),
+    ]
+)
+
+
+class _TokenCheck(flight.ServerMiddlewareFactory):
+    """Refuses every call that does not carry the bearer token."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    def start_call(self, info: Any, headers: dict[str, list[Any]]) -> None:
+        for value in headers.get("authorization", []):
+            raw = value if isinstance(value, bytes) else str(value).encode()
+            if hmac.compare_digest(raw, self._expected):
+                return None
+        raise flight.FlightUnauthenticatedError(
+            "shardcache: missing or wrong bearer token (SHARDCACHE_REMOTE_TOKEN)"
+        )
+
+
+class FlightService(flight.FlightServerBase):
+    """Serves ``endpoint`` at ``location`` (``grpc://0.0.0.0:port`` or ``grpc+tls://``).
+
+    Args:
+        endpoint: the node's endpoint (the same operations as its Unix socket).
+        location: where to listen.
+        token: the bearer token callers must send.
+        tls_certificates: ``[(cert PEM, key PEM)]`` for ``grpc+tls``.
+    """
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        location: str,
+        token: str,
+        tls_certificates: list[tuple[bytes, bytes]] | None = None,
+    ):
+        super().__init__(
+            location,
+            tls_certificates=tls_certificates or [],
+            middleware={"auth": _TokenCheck(token)},
+        )
+        self.endpoint = endpoint
+
+    def do_action(self, context: Any, action: Any) -> Any:
+        args = json.loads(action.body.to_pybytes() or b"{}")
+        reply, files = self.endpoint.handle({**args, "op": action.type})
+        _discard(files)
+        yield flight.Result(json.dumps(reply).encode())
+
+    def do_get(self, context: Any, ticket: Any) -> Any:
+        reply, files = self.endpoint.handle(json.loads(ticket.ticket))
+        if "error" in reply:
+            table = pa.table(
+                {
+                    "status": ["error"],
+                    "error": [json.dumps(reply["error"])],
+                    "data": pa.array([b""], pa.large_binary()),
+                },
+                schema=SCHEMA,
+            )
+            return flight.RecordBatchStream(table)
+        statuses = reply.get("statuses") or ["manifest"] * len(files)
+        return flight.GeneratorStream(SCHEMA, _batches(statuses, files))
+
+
+def _batches(statuses: list[str], files: list[tuple[Path, bool]]) -> Any:
+    for status, (path, unlink) in zip(statuses, files, strict=True):
+        with open(path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if unlink:
+            path.unlink(missing_ok=True)
+        data = pa.py_buffer(mapped)
+        offsets = pa.py_buffer(pa.array([0, len(mapped)], pa.int64()).buffers()[1])
+        column = pa.Array.from_buffers(pa.large_binary(), 1, [None, offsets, data])
+        yield pa.record_batch(
+            [pa.array([status]), pa.array([None], pa.string()), column], schema=SCHEMA
+        )
+
+
+def _discard(files: list[tuple[Path, bool]]) -> None:
+    for path, unlink in files:
+        if unlink:
+            path.unlink(missing_ok=True)
+
+
+def serve_flight(endpoint: Endpoint) -> FlightService:
+    """The Flight server of ``endpoint.settings`` (started; call ``serve()``).
+
+    Raises:
+        ConfigError: no token, or only one of certificate and key.
+    """
+    s = endpoint.settings
+    if not s.flight_token:
+        raise ConfigError(
+            "flight_port is set but flight_token is not: the streaming port needs "
+            "the chart's token (SHARDCACHE_FLIGHT_TOKEN)."
+        )
+    if bool(s.flight_tls_cert) != bool(s.flight_tls_key):
+        raise ConfigError(
+            "set both SHARDCACHE_FLIGHT_TLS_CERT and SHARDCACHE_FLIGHT_TLS_KEY, or neither."
+        )
+    tls = None
+    scheme = "grpc"
+    if s.flight_tls_cert and s.flight_tls_key:
+        tls = [
+            (Path(s.flight_tls_cert).read_bytes(), Path(s.flight_tls_key).read_bytes())
+        ]
+        scheme = "grpc+tls"
+    return FlightService(
+        endpoint, f"{scheme}://0.0.0.0:{s.flight_port}", s.flight_token, tls
+    )

@@ -1,0 +1,55 @@
+"""``shardcache local stop`` stops what shardcache started, and nothing else."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from shardcache import embedded
+
+pytestmark = pytest.mark.slow
+
+
+def test_local_stop_stops_only_the_ray_head_and_redis_shardcache_started(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SHARDCACHE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Someone else's Ray head on the same machine (a temp dir of its own).
+    foreign = Path(f"/tmp/sc-foreign-{uuid.uuid4().hex[:8]}")
+    ray_bin = Path(sys.executable).parent / "ray"
+    subprocess.run(
+        [str(ray_bin), "start", "--head", "--node-ip-address=127.0.0.1",
+         "--include-dashboard=false", "--disable-usage-stats", "--port=0",
+         f"--temp-dir={foreign}"],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    try:
+        home = embedded.state_dir()
+        address = embedded._start_ray_head(home)
+        redis_url = embedded.local_redis_url()
+        ours = embedded._processes_naming(str(embedded._ray_temp_dir(home)))
+        theirs = embedded._processes_naming(str(foreign))
+        assert address and ours and theirs and not set(ours) & set(theirs)
+        # A long state dir gets a short Ray temp dir (socket paths fit 107 bytes).
+        assert len(str(embedded._ray_temp_dir(home))) <= 40
+
+        stopped = embedded.stop_local()
+
+        assert any(s.startswith("redis") for s in stopped), stopped
+        assert any(s.startswith("ray (") for s in stopped), stopped
+        assert not embedded._redis_alive(redis_url)
+        assert not [p for p in ours if _alive(p)]
+        assert all(_alive(p) for p in theirs)  # never every Ray process
+        assert embedded.stop_local() == []  # nothing left of ours
+    finally:
+        embedded._terminate(embedded._processes_naming(str(foreign)))
+
+
+def _alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}") and not embedded._zombie(pid)

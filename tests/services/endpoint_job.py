@@ -1,0 +1,130 @@
+"""Training-pod side of tests/services/test_endpoint.py: run inside a mount (and
+network) namespace that has no Ray session directory and no route to Redis or
+S3; the only way to the cache is the node-local endpoint's socket (or, for
+``remote``, the Flight port). Writes its findings as JSON under the hostPath.
+
+Usage: python endpoint_job.py ranks|remote|nomount CONFIG_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _expected(url: str, changed: bool) -> bytes:
+    i = int(url.rsplit("/", 1)[1].split(".")[0])
+    return bytes([200 if changed else i]) * (64 + i)
+
+
+def _mapping_of(ptr: int) -> tuple[str, str]:
+    """(permissions, path) of the mapping of this process that holds ``ptr``."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= ptr < hi:
+            return parts[1], parts[5] if len(parts) > 5 else ""
+    return "", ""
+
+
+def _epoch(ds, epoch: int, changed_url: str | None) -> dict:
+    ds.set_epoch(epoch)
+    bad, seen, mapped = 0, [], 0
+    order = list(ds.sampler)
+    for b in range(0, len(order), 4):  # what DataLoader(batch_size=4) asks
+        batch = order[b : b + 4]
+        for i, t in zip(batch, ds.__getitems__(batch), strict=True):
+            url = ds.manifest.url(i)
+            if bytes(t.numpy()) != _expected(url, url == changed_url):
+                bad += 1
+            perms, path = _mapping_of(t.untyped_storage().data_ptr())
+            # read-only shared mapping of a chunk file the endpoint handed over
+            mapped += int(
+                perms.startswith("r-") and perms.endswith("s") and ".chunk" in path
+            )
+            seen.append(i)
+    return {"bad": bad, "seen": seen, "mapped": mapped}
+
+
+def _rank(rank: int, cfg: dict) -> None:
+    import torch.distributed as dist
+
+    from shardcache import DistributedCachedDataset
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=2
+    )
+    out = Path(cfg["shared"])
+    ds = DistributedCachedDataset(
+        cfg["url"],
+        storage_options=cfg["storage_options"],
+        name=cfg["name"],
+        chunk_samples=2,
+        seed=3,
+    )
+    result = {"ray_imported": "ray" in sys.modules, "epochs": []}
+    for epoch in (0, 1):
+        result["epochs"].append(_epoch(ds, epoch, None))
+    dist.barrier()
+    if rank == 0:
+        (out / "read-twice").write_text("")
+    while not (out / "changed").exists():  # the test rewrites one object meanwhile
+        time.sleep(0.1)
+    result["refreshed"] = ds.refresh()
+    result["epochs"].append(_epoch(ds, 2, cfg["changed_url"]))
+    ds.close()
+    dist.barrier()  # every rank flushed its usage: the cluster totals are final
+    stats = ds.stats()
+    result["stats"] = {k: stats[k] for k in ("hits", "misses", "served", "cluster")}
+    result["ray_imported"] = result["ray_imported"] or "ray" in sys.modules
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    mode, cfg = sys.argv[1], json.loads(sys.argv[2])
+    if mode == "ranks":
+        import torch.multiprocessing as mp
+
+        mp.spawn(_rank, args=(cfg,), nprocs=2, join=True)
+        return
+    from shardcache import DistributedCachedDataset
+
+    try:
+        ds = DistributedCachedDataset(
+            cfg["url"],
+            storage_options=cfg["storage_options"],
+            name=cfg["name"],
+            chunk_samples=2,
+            rank=0,
+            world_size=1,
+            allow_remote=mode == "remote",
+        )
+    except Exception as exc:  # reported to the test, which checks the type
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+        return
+    ds.set_epoch(0)
+    bad = 0
+    for i in range(len(ds)):
+        url = ds.manifest.url(i)
+        bad += bytes(ds[i].numpy()) != _expected(url, url == cfg.get("changed_url"))
+    ds.close()
+    stats = ds.stats()
+    print(
+        json.dumps(
+            {
+                "bad": bad,
+                "read": len(ds),
+                "served": stats["served"],
+                "ray_imported": "ray" in sys.modules,
+                "env_ray": os.path.exists("/tmp/ray"),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""Issue 18: training pods outside Ray read through the cache worker of their node.
+
+Simulated pods on one machine, all real components: the cache worker (a Ray
+node plus the endpoint driving it, ``endpoint_worker.py``) runs in a mount
+namespace of its own with its socket on a "hostPath" directory and its chunk
+files in a tmpfs of its own; the training pod (two spawned gloo ranks,
+``endpoint_job.py``) runs in a second mount namespace that sees only that
+directory (at ``/mnt``) and has no ``/tmp`` of the host (no Ray session
+directory), and in a network namespace of its own, so it cannot reach Redis
+or the S3 server: everything goes through the socket. A pod on another node
+reads over Arrow Flight with TLS and the token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from shardcache.embedded import free_port
+from shardcache.usage import UsageReader
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+OBJECTS = 16
+CHUNK = 2  # samples per chunk (chunk_samples)
+TOKEN = "flight-" + uuid.uuid4().hex
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("unshare") is None,
+        reason="needs root and unshare(1) for mount and network namespaces",
+    ),
+]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SHARDCACHE_", "RAY_", "AWS_"))
+    }
+    env["PYTHONPATH"] = f"{ROOT / 'sdk'}:{ROOT / 'services'}"
+    env.update(extra)
+    return env
+
+
+def _pod(script: str, *args: str, hostpath: Path | None, own_net: bool, env: dict):
+    """Run ``script`` in a fresh mount namespace: the hostPath (if any) at
+    /mnt, a private /tmp; with ``own_net`` also a network namespace with only
+    loopback (up, for the ranks' gloo rendezvous)."""
+    steps = []
+    if own_net:
+        steps.append("ip link set lo up")
+    if hostpath is not None:
+        steps.append(f"mount --bind {hostpath} /mnt")
+    steps += ["mount -t tmpfs tmpfs /tmp", 'exec "$0" "$@"']
+    flags = ["-m", "--propagation", "private"] + (["-n"] if own_net else [])
+    return (
+        ["unshare", *flags, "sh", "-c", " && ".join(steps)],
+        [
+            sys.executable,
+            str(HERE / script),
+            *args,
+        ],
+        env,
+    )
+
+
+def _run(cmd, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    wrapper, argv, env = cmd
+    return subprocess.run(
+        [*wrapper, *argv], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _certificate(directory: Path) -> tuple[Path, Path]:
+    cert, key = directory / "flight.crt", directory / "flight.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+@pytest.fixture
+def worker(tmp_path, redis_url, s3):
+    """The cache worker pod: its own mount namespace, socket on the hostPath."""
+    hostpath = tmp_path / "hostpath"
+    hostpath.mkdir()
+    cert, key = _certificate(tmp_path)
+    flight_port = free_port()
+    namespace = f"t{uuid.uuid4().hex[:10]}"
+    env = _env(
+        SHARDCACHE_REDIS_URL=redis_url,
+        SHARDCACHE_NAMESPACE=namespace,
+        SHARDCACHE_ENDPOINT_SOCKET="/mnt/endpoint.sock",
+        SHARDCACHE_ENDPOINT_SHM_DIR="/dev/shm/shardcache",
+        SHARDCACHE_NODE_NAME="node-a",
+        SHARDCACHE_CACHE_BYTES=str(64 * 2**20),
+        SHARDCACHE_BUILD_WORKERS="1",
+        SHARDCACHE_FLIGHT_PORT=str(flight_port),
+        SHARDCACHE_FLIGHT_TOKEN=TOKEN,
+        SHARDCACHE_FLIGHT_TLS_CERT=str(cert),
+        SHARDCACHE_FLIGHT_TLS_KEY=str(key),
+        **{k: v for k, v in os.environ.items() if k.startswith("AWS_")},
+    )
+    # The worker's own /dev/shm (object store and chunk files) and /tmp (Ray's
+    # session directory); the certificate is read before /tmp is covered.
+    wrapper = [
+        "unshare", "-m", "--propagation", "private", "sh", "-c",
+        f"mount --bind {hostpath} /mnt && mount -t tmpfs -o size=512m tmpfs /dev/shm "
+        f"&& cp {cert} {key} /dev/shm/ && mount -t tmpfs tmpfs /tmp "
+        '&& exec "$0" "$@"',
+    ]  # fmt: skip
+    env["SHARDCACHE_FLIGHT_TLS_CERT"] = "/dev/shm/flight.crt"
+    env["SHARDCACHE_FLIGHT_TLS_KEY"] = "/dev/shm/flight.key"
+    log = open(tmp_path / "worker.log", "w")
+    proc = subprocess.Popen(
+        [*wrapper, sys.executable, str(HERE / "endpoint_worker.py")],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 120
+    while not (hostpath / "endpoint.sock").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail((tmp_path / "worker.log").read_text()[-3000:])
+        time.sleep(0.2)
+    yield {
+        "hostpath": hostpath,
+        "namespace": namespace,
+        "flight_port": flight_port,
+        "cert": cert,
+        "log": tmp_path / "worker.log",
+    }
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+def _objects(s3fs_client, bucket: str) -> str:
+    prefix = f"{bucket}/data"
+    for i in range(OBJECTS):
+        s3fs_client.pipe(f"{prefix}/{i:03d}.bin", bytes([i]) * (64 + i))
+    return f"s3://{prefix}/"
+
+
+def test_endpoint_ranks_outside_ray_read_mapped_shards_through_the_socket(
+    worker, s3, s3fs_client, bucket, redis
+):
+    url = _objects(s3fs_client, bucket)
+    changed = f"{url}005.bin"
+    hostpath = worker["hostpath"]
+    cfg = {
+        "url": url,
+        "storage_options": s3.storage_options(),
+        "name": "pods",
+        "port": free_port(),
+        "shared": "/mnt",
+        "changed_url": changed,
+    }
+    pod_env = _env(
+        SHARDCACHE_ENDPOINT="/mnt/endpoint.sock",
+        SHARDCACHE_NODE_NAME="node-a",
+        SHARDCACHE_NAMESPACE=worker["namespace"],
+    )
+    wrapper, argv, env = _pod(
+        "endpoint_job.py", "ranks", json.dumps(cfg), hostpath=hostpath, own_net=True,
+        env=pod_env,
+    )  # fmt: skip
+    ranks = subprocess.Popen([*wrapper, *argv], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    deadline = time.monotonic() + 180
+    while not (hostpath / "read-twice").exists():
+        if ranks.poll() is not None or time.monotonic() > deadline:
+            ranks.kill()
+            pytest.fail(
+                f"{ranks.stdout.read()[-4000:]}\n{worker['log'].read_text()[-3000:]}"
+            )
+        time.sleep(0.2)
+    # Two epochs read: every object fetched once, by the cache worker.
+    assert s3.total_gets == OBJECTS
+    assert all(n == 1 for n in s3.gets.values())
+    s3fs_client.pipe(changed.removeprefix("s3://"), bytes([200]) * (64 + 5))
+    (hostpath / "changed").write_text("")
+    out, _ = ranks.communicate(timeout=180)
+    assert ranks.returncode == 0, out[-4000:]
+
+    results = [json.loads((hostpath / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # The changed object, and only it, was read again.
+    assert s3.total_gets == OBJECTS + 1
+    assert max(s3.gets.values()) == 2
+    for res in results:
+        assert not res["ray_imported"]
+        assert res["refreshed"] == [changed]
+        for epoch in res["epochs"]:
+            assert epoch["bad"] == 0
+            # every sample is a view of a read-only shared mapping of a chunk file
+            assert epoch["mapped"] == len(epoch["seen"]) == OBJECTS // 2
+    # Disjoint shards covering the dataset, stable across epochs.
+    for e in range(3):
+        a, b = (set(r["epochs"][e]["seen"]) for r in results)
+        assert not a & b and len(a | b) == OBJECTS
+    # Cluster figures as the Ray path records them: epoch 0 and the chunk of
+    # the changed object from the source, the rest from the cache.
+    totals = UsageReader(redis, worker["namespace"]).totals("pods")
+    assert totals.samples == 3 * OBJECTS
+    assert totals.samples_source == OBJECTS + CHUNK
+    assert results[0]["stats"]["cluster"]["hit_rate"] == pytest.approx(
+        1 - (OBJECTS + CHUNK) / (3 * OBJECTS)
+    )  # read by the rank through the socket
+
+
+def test_endpoint_rank_without_the_mount_gets_endpoint_unavailable(worker, s3, bucket):
+    cfg = {"url": f"s3://{bucket}/data/", "storage_options": s3.storage_options(),
+           "name": "nomount"}  # fmt: skip
+    env = _env(
+        SHARDCACHE_ENDPOINT="/mnt/endpoint.sock",
+        SHARDCACHE_NODE_NAME="node-b",
+        SHARDCACHE_NAMESPACE=worker["namespace"],
+    )
+    done = _run(_pod("endpoint_job.py", "nomount", json.dumps(cfg), hostpath=None,
+                     own_net=True, env=env))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["error"] == "EndpointUnavailable"
+    assert "node-b" in result["message"] and "/mnt/endpoint.sock" in result["message"]
+
+
+def test_endpoint_allow_remote_streams_from_another_nodes_worker_over_flight_tls(
+    worker, s3, s3fs_client, bucket
+):
+    url = _objects(s3fs_client, bucket)
+    cfg = {"url": url, "storage_options": s3.storage_options(), "name": "remote"}
+    env = _env(
+        SHARDCACHE_NODE_NAME="node-c",  # a node with no cache worker
+        SHARDCACHE_NAMESPACE=worker["namespace"],
+        SHARDCACHE_REMOTE_URL=f"grpc+tls://127.0.0.1:{worker['flight_port']}",
+        SHARDCACHE_REMOTE_TOKEN=TOKEN,
+        SHARDCACHE_REMOTE_CA="/mnt/flight.crt",
+    )
+    ca_dir = worker["hostpath"].parent / "ca"
+    ca_dir.mkdir(exist_ok=True)
+    shutil.copy(worker["cert"], ca_dir / "flight.crt")
+    # Without allow_remote the pod is told there is no endpoint on its node.
+    refused = _run(_pod("endpoint_job.py", "nomount", json.dumps(cfg),
+                        hostpath=ca_dir, own_net=False, env=env))  # fmt: skip
+    assert json.loads(refused.stdout.strip().splitlines()[-1])["error"] == (
+        "EndpointUnavailable"
+    ), refused.stderr[-3000:]
+    remote = _pod("endpoint_job.py", "remote", json.dumps(cfg), hostpath=ca_dir,
+                  own_net=False, env=env)  # fmt: skip
+    for run, origin in enumerate(("source", "peer")):  # cold, then warm
+        done = _run(remote)
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        assert result == {**result, "bad": 0, "read": OBJECTS, "ray_imported": False}
+        assert not result["env_ray"]  # no Ray session directory in this pod
+        served = result["served"]
+        # fetched by the remote worker, then served from its store: peer hits
+        assert served[origin] == OBJECTS, (run, served)
+        assert served["remote_bytes"] >= sum(64 + i for i in range(OBJECTS))
+        assert served["remote_us"] > 0
+    assert s3.total_gets == OBJECTS
+    # A wrong token is refused.
+    bad = _run(_pod("endpoint_job.py", "remote", json.dumps(cfg), hostpath=ca_dir,
+                    own_net=False, env={**env, "SHARDCACHE_REMOTE_TOKEN": "nope"}))  # fmt: skip
+    assert json.loads(bad.stdout.strip().splitlines()[-1])["error"] == (
+        "EndpointUnavailable"
+    )
