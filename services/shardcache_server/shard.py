@@ -135,7 +135,7 @@ class CacheShard:
             if self.settings.disk_dir
             else None
         )
-        self._disk_writes: set[asyncio.Task[None]] = set()
+        self._disk_writes: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._disk_slots: asyncio.Semaphore | None = None
         # Under Ray (no build function given) listings run in a task too.
         self._listings = Listings(
@@ -753,7 +753,7 @@ class CacheShard:
         for ds, k in evicted:
             # A chunk whose file is on this node's disk is still served from
             # here: its entry and claim stay.
-            if self._disk is None or not self._disk.has(ds, k):
+            if self._disk is None or not self._on_disk(ds, k):
                 evicted_keys[ds].append(k)
         self._index_write(
             lambda idx: (
@@ -778,6 +778,9 @@ class CacheShard:
         version, generation and preprocess asked for; False if it does not."""
         assert self._disk is not None
         chunk, version, size = item
+        writing = self._disk_writes.get((ds.name, chunk))
+        if writing is not None:  # evicted before its file was written: wait
+            await asyncio.wait([writing])
         expect = {
             "version": version,
             "generation": generation,
@@ -813,9 +816,21 @@ class CacheShard:
         """Write a newly cached chunk to the disk tier in the background."""
         if self._loop is None:
             return
+        key = (dataset, chunk)
         task = self._loop.create_task(self._spill(dataset, generation, chunk, value))
-        self._disk_writes.add(task)
-        task.add_done_callback(self._disk_writes.discard)
+        self._disk_writes[key] = task
+        task.add_done_callback(
+            lambda t: (
+                self._disk_writes.pop(key, None)
+                if self._disk_writes.get(key) is t
+                else None
+            )
+        )
+
+    def _on_disk(self, dataset: str, chunk: str) -> bool:
+        """The chunk has a file, or one being written."""
+        assert self._disk is not None
+        return (dataset, chunk) in self._disk_writes or self._disk.has(dataset, chunk)
 
     async def _spill(
         self, dataset: str, generation: int, chunk: str, value: _Cached
@@ -856,7 +871,9 @@ class CacheShard:
     async def flush_disk(self) -> dict[str, int]:
         """Wait for the disk writes in flight (tests, graceful shutdown)."""
         while self._disk_writes:
-            await asyncio.gather(*list(self._disk_writes), return_exceptions=True)
+            await asyncio.gather(
+                *list(self._disk_writes.values()), return_exceptions=True
+            )
         return self._disk.summary() if self._disk is not None else {}
 
     def _settle(self, key: tuple[str, int, str, str], result: Result) -> None:

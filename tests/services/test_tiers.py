@@ -7,6 +7,7 @@ import asyncio
 import uuid
 
 import numpy as np
+import pytest
 from belady import belady_hits, node_calls
 
 from shardcache import keys
@@ -48,9 +49,9 @@ def _setup(s3, s3fs_client, bucket, redis_url, **settings):
     return cfg, index, spec, items
 
 
-def _shard(cfg):
+def _shard(cfg, node="node-a"):
     return CacheShard(
-        cfg, "node-a", put=lambda v: v, get=lambda v: v, peer=lambda n: None,
+        cfg, node, put=lambda v: v, get=lambda v: v, peer=lambda n: None,
         build=local_build(cfg),
     )  # fmt: skip
 
@@ -108,8 +109,11 @@ def test_store_gets_at_half_cache_clairvoyant_equals_belady_min_and_beats_static
     assert misses["clairvoyant"] < misses["static"] < misses["lru"]
 
 
+@pytest.mark.parametrize(
+    "new_node", ["node-a", "node-b"], ids=["process-restart", "rolled-pod"]
+)
 def test_store_disk_tier_serves_ram_misses_and_survives_restart(
-    s3, s3fs_client, bucket, redis_url, redis, tmp_path
+    s3, s3fs_client, bucket, redis_url, redis, tmp_path, new_node
 ):
     cfg, index, spec, items = _setup(
         s3,
@@ -144,7 +148,9 @@ def test_store_disk_tier_serves_ram_misses_and_survives_restart(
     assert int(stats["remote_reads"]) == PER_CHUNK * CHUNKS
 
     async def restarted_store():
-        shard = _shard(cfg)  # a new incarnation on the same node and disk
+        # A new incarnation on the same host and disk: the same Ray node (the
+        # process crashed) or a new one (a rolled DaemonSet pod).
+        shard = _shard(cfg, new_node)
         await shard.ping()
         await asyncio.sleep(0.2)  # its predecessor's index entries are dropped
         await shard.register(spec, raw_bytes)
