@@ -15,7 +15,7 @@ minimum the new shape allows, ``sum over nodes of max(0, held - capacity)``.
 
 >>> import numpy as np
 >>> sizes = np.array([10] * 10)
->>> old = [{**world_state(sizes, 4, seed=1), "rank": r, "consumed": 7,
+>>> old = [{**world_state(4, seed=1), "rank": r, "consumed": 7,
 ...         "node": f"n{r // 2}"} for r in range(4)]
 >>> merged = merge_states(old)
 >>> plan = plan_resume(sizes, merged, 2, ["n0", "n1"])
@@ -50,6 +50,7 @@ __all__ = [
 STATE_VERSION = 1  # bumped when the meaning of a saved state changes
 # Keys every rank of one world must agree on; merge_states checks them.
 WORLD_KEYS = (
+    "manifest",
     "epoch",
     "seed",
     "mode",
@@ -63,7 +64,6 @@ _RESUME_SALT = 0x5E5  # separates a resumed epoch's shuffle from a normal one's
 
 
 def world_state(
-    sizes: Sequence[int] | np.ndarray,
     world_size: int,
     *,
     epoch: int = 0,
@@ -129,7 +129,6 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {
         "version": first.get("version", STATE_VERSION),
         **{k: first.get(k) for k in WORLD_KEYS},
-        "manifest": first.get("manifest"),
         "consumed": consumed,
         "nodes": nodes,
     }

@@ -334,7 +334,6 @@ def first_steps(
 
     sizes = np.asarray(chunk_sizes, dtype=np.int64)
     world = world_state(
-        sizes,
         world_size,
         epoch=epoch,
         seed=seed,
