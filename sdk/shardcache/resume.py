@@ -41,9 +41,11 @@ __all__ = [
     "current_node",
     "gather_nodes",
     "gather_states",
+    "make_basis",
     "merge_states",
     "plan_resume",
     "world_orders",
+    "world_shards",
     "world_state",
 ]
 
@@ -59,6 +61,7 @@ WORLD_KEYS = (
     "world_size",
     "resumed_from",
     "plan_nodes",
+    "basis",
 )
 _RESUME_SALT = 0x5E5  # separates a resumed epoch's shuffle from a normal one's
 
@@ -83,6 +86,7 @@ def world_state(
         "world_size": int(world_size),
         "resumed_from": None,
         "plan_nodes": None,
+        "basis": None,
     }
 
 
@@ -185,10 +189,55 @@ def world_orders(
     if world["mode"] == "global":
         n = int(sizes.sum())
         return [global_order(n, w, r, seed, e, shuffle, drop_last) for r in range(w)]
-    shards = assign_chunks(sizes, w, seed)
+    shards = world_shards(sizes, w, seed, world.get("basis"))
     lens = [len(s) for s in shards]
     num = min(lens) if drop_last else max(lens)
     return [epoch_order(s, num, seed, e, shuffle) for s in shards]
+
+
+def make_basis(merged: Mapping[str, Any], nodes: Sequence[str]) -> dict[str, Any]:
+    """What a world resumed from ``merged`` on ``nodes`` derives its shards from."""
+    return {
+        "world_size": int(merged["world_size"]),
+        "basis": merged.get("basis"),
+        "old_nodes": list(merged["nodes"]),
+        "nodes": list(nodes),
+    }
+
+
+def world_shards(
+    sizes: np.ndarray, world_size: int, seed: int, basis: Mapping[str, Any] | None
+) -> list[np.ndarray]:
+    """Every rank's stable shard (ascending sample indices).
+
+    Without a basis: rendezvous hashing over ranks (:func:`assign_chunks`).
+    A world that resumed another one on known nodes (``basis``) keeps each
+    chunk on the node that held it under the old world's shards, as the
+    resumed epoch does, so its later epochs do not move data either: only
+    what the node capacities force moves, once.
+    """
+    if basis is None:
+        return assign_chunks(sizes, world_size, seed)
+    old = world_shards(sizes, int(basis["world_size"]), seed, basis["basis"])
+    n = int(sizes.sum())
+    holder = np.empty(n, dtype=np.int64)
+    for r, shard in enumerate(old):
+        holder[shard] = r
+    everything = np.arange(n, dtype=np.int64)
+    pieces, homes = _pieces(sizes, everything, holder, list(basis["old_nodes"]))
+    nodes = list(basis["nodes"])
+    held: dict[str, int] = {}
+    for p, h in zip(pieces, homes, strict=True):
+        held[h] = held.get(h, 0) + len(p)
+    cap = np.full(world_size, n // world_size, dtype=np.int64)
+    _give_extra(cap, n % world_size, nodes, held)
+    deal = _Deal(cap, nodes, seed)
+    deal.place(pieces, homes)
+    dtype = np.int32 if n < 2**31 else np.int64
+    return [
+        np.sort(np.concatenate(t)).astype(dtype) if t else np.zeros(0, dtype=dtype)
+        for t in deal.taken
+    ]
 
 
 @dataclass
@@ -478,6 +527,7 @@ def apply_state(
         consumed = int(merged["consumed"][sampler.rank])
     else:
         consumed = int(state["consumed"])
+    sampler.use_basis(state.get("basis"))
     if state.get("resumed_from") is not None:
         # Saved inside an epoch that was itself resumed elastically.
         sampler.resume_elastic(state["resumed_from"], state["plan_nodes"])
