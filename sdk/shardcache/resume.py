@@ -13,6 +13,9 @@ cached it) until that node's ranks are full; only the overflow moves, to the
 best-scoring rank by rendezvous hashing. That makes the moved fraction the
 minimum the new shape allows, ``sum over nodes of max(0, held - capacity)``.
 
+Cost, once per resume: a few vectorised passes over the samples (a bool and
+an int32 per sample, freed after) and Python loops per chunk, never per sample.
+
 >>> import numpy as np
 >>> sizes = np.array([10] * 10)
 >>> old = [{**world_state(4, seed=1), "rank": r, "consumed": 7,
@@ -220,10 +223,10 @@ def world_shards(
         return assign_chunks(sizes, world_size, seed)
     old = world_shards(sizes, int(basis["world_size"]), seed, basis["basis"])
     n = int(sizes.sum())
-    holder = np.empty(n, dtype=np.int64)
+    holder = np.empty(n, dtype=np.int32)
     for r, shard in enumerate(old):
         holder[shard] = r
-    everything = np.arange(n, dtype=np.int64)
+    everything = np.arange(n, dtype=old[0].dtype if old else np.int64)
     pieces, homes = _pieces(sizes, everything, holder, list(basis["old_nodes"]))
     nodes = list(basis["nodes"])
     held: dict[str, int] = {}
@@ -279,8 +282,9 @@ def _remaining(
     """Samples the old epoch still owed (ascending) and the old rank that held each."""
     orders = world_orders(sizes, old)
     n = int(sizes.sum())
+    # 5 bytes per sample, once per resume (vectorised; per-chunk loops only).
     seen = np.zeros(n, dtype=bool)
-    holder = np.full(n, -1, dtype=np.int64)
+    holder = np.full(n, -1, dtype=np.int32)
     for r, order in enumerate(orders):
         c = int(old["consumed"][r])
         if not 0 <= c <= len(order):
