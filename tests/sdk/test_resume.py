@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import numpy as np
@@ -255,6 +256,9 @@ def test_resume_at_a_later_epoch_of_a_resumed_world_chains_exactly():
         {**s.state(), "consumed": 100, "node": nodes2[r]} for r, s in enumerate(two)
     ]
     assert all(st["basis"] is not None and st["resumed_from"] is None for st in again)
+    merged = merge_states(again)
+    # Small and plain: JSON, O(ranks), whatever the dataset size.
+    assert len(json.dumps(merged)) < 1000
     three = _resume(merge_states(again), 3, ["nodeA", "nodeB", "nodeC"])
     rest = [i for s in three for i in s]
     assert Counter(seen + rest) == Counter(range(N))
