@@ -13,9 +13,12 @@ cached it) until that node's ranks are full; only the overflow moves, to the
 best-scoring rank by rendezvous hashing. That makes the moved fraction the
 minimum the new shape allows, ``sum over nodes of max(0, held - capacity)``.
 
+Cost, once per resume: a few vectorised passes over the samples (a bool and
+an int32 per sample, freed after) and Python loops per chunk, never per sample.
+
 >>> import numpy as np
 >>> sizes = np.array([10] * 10)
->>> old = [{**world_state(sizes, 4, seed=1), "rank": r, "consumed": 7,
+>>> old = [{**world_state(4, seed=1), "rank": r, "consumed": 7,
 ...         "node": f"n{r // 2}"} for r in range(4)]
 >>> merged = merge_states(old)
 >>> plan = plan_resume(sizes, merged, 2, ["n0", "n1"])
@@ -41,15 +44,18 @@ __all__ = [
     "current_node",
     "gather_nodes",
     "gather_states",
+    "make_basis",
     "merge_states",
     "plan_resume",
     "world_orders",
+    "world_shards",
     "world_state",
 ]
 
 STATE_VERSION = 1  # bumped when the meaning of a saved state changes
 # Keys every rank of one world must agree on; merge_states checks them.
 WORLD_KEYS = (
+    "manifest",
     "epoch",
     "seed",
     "mode",
@@ -58,12 +64,12 @@ WORLD_KEYS = (
     "world_size",
     "resumed_from",
     "plan_nodes",
+    "basis",
 )
 _RESUME_SALT = 0x5E5  # separates a resumed epoch's shuffle from a normal one's
 
 
 def world_state(
-    sizes: Sequence[int] | np.ndarray,
     world_size: int,
     *,
     epoch: int = 0,
@@ -83,6 +89,7 @@ def world_state(
         "world_size": int(world_size),
         "resumed_from": None,
         "plan_nodes": None,
+        "basis": None,
     }
 
 
@@ -129,7 +136,6 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {
         "version": first.get("version", STATE_VERSION),
         **{k: first.get(k) for k in WORLD_KEYS},
-        "manifest": first.get("manifest"),
         "consumed": consumed,
         "nodes": nodes,
     }
@@ -186,10 +192,55 @@ def world_orders(
     if world["mode"] == "global":
         n = int(sizes.sum())
         return [global_order(n, w, r, seed, e, shuffle, drop_last) for r in range(w)]
-    shards = assign_chunks(sizes, w, seed)
+    shards = world_shards(sizes, w, seed, world.get("basis"))
     lens = [len(s) for s in shards]
     num = min(lens) if drop_last else max(lens)
     return [epoch_order(s, num, seed, e, shuffle) for s in shards]
+
+
+def make_basis(merged: Mapping[str, Any], nodes: Sequence[str]) -> dict[str, Any]:
+    """What a world resumed from ``merged`` on ``nodes`` derives its shards from."""
+    return {
+        "world_size": int(merged["world_size"]),
+        "basis": merged.get("basis"),
+        "old_nodes": list(merged["nodes"]),
+        "nodes": list(nodes),
+    }
+
+
+def world_shards(
+    sizes: np.ndarray, world_size: int, seed: int, basis: Mapping[str, Any] | None
+) -> list[np.ndarray]:
+    """Every rank's stable shard (ascending sample indices).
+
+    Without a basis: rendezvous hashing over ranks (:func:`assign_chunks`).
+    A world that resumed another one on known nodes (``basis``) keeps each
+    chunk on the node that held it under the old world's shards, as the
+    resumed epoch does, so its later epochs do not move data either: only
+    what the node capacities force moves, once.
+    """
+    if basis is None:
+        return assign_chunks(sizes, world_size, seed)
+    old = world_shards(sizes, int(basis["world_size"]), seed, basis["basis"])
+    n = int(sizes.sum())
+    holder = np.empty(n, dtype=np.int32)
+    for r, shard in enumerate(old):
+        holder[shard] = r
+    everything = np.arange(n, dtype=old[0].dtype if old else np.int64)
+    pieces, homes = _pieces(sizes, everything, holder, list(basis["old_nodes"]))
+    nodes = list(basis["nodes"])
+    held: dict[str, int] = {}
+    for p, h in zip(pieces, homes, strict=True):
+        held[h] = held.get(h, 0) + len(p)
+    cap = np.full(world_size, n // world_size, dtype=np.int64)
+    _give_extra(cap, n % world_size, nodes, held)
+    deal = _Deal(cap, nodes, seed)
+    deal.place(pieces, homes)
+    dtype = np.int32 if n < 2**31 else np.int64
+    return [
+        np.sort(np.concatenate(t)).astype(dtype) if t else np.zeros(0, dtype=dtype)
+        for t in deal.taken
+    ]
 
 
 @dataclass
@@ -231,8 +282,9 @@ def _remaining(
     """Samples the old epoch still owed (ascending) and the old rank that held each."""
     orders = world_orders(sizes, old)
     n = int(sizes.sum())
+    # 5 bytes per sample, once per resume (vectorised; per-chunk loops only).
     seen = np.zeros(n, dtype=bool)
-    holder = np.full(n, -1, dtype=np.int64)
+    holder = np.full(n, -1, dtype=np.int32)
     for r, order in enumerate(orders):
         c = int(old["consumed"][r])
         if not 0 <= c <= len(order):
@@ -479,6 +531,7 @@ def apply_state(
         consumed = int(merged["consumed"][sampler.rank])
     else:
         consumed = int(state["consumed"])
+    sampler.use_basis(state.get("basis"))
     if state.get("resumed_from") is not None:
         # Saved inside an epoch that was itself resumed elastically.
         sampler.resume_elastic(state["resumed_from"], state["plan_nodes"])

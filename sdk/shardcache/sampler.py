@@ -17,8 +17,14 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from shardcache.errors import ConfigError
-from shardcache.resume import STATE_VERSION, ResumePlan, plan_resume
-from shardcache.sharding import assign_chunks, epoch_order, global_order, validate_world
+from shardcache.resume import (
+    STATE_VERSION,
+    ResumePlan,
+    make_basis,
+    plan_resume,
+    world_shards,
+)
+from shardcache.sharding import epoch_order, global_order, validate_world
 
 __all__ = [
     "SHUFFLE_MODES",
@@ -101,16 +107,28 @@ class ShardSampler(Sampler[int]):
         # An epoch resumed elastically: its epoch, the merged old state and the
         # nodes (to save and recompute it), this rank's order, all lengths.
         self._resumed: dict[str, Any] | None = None
+        self._basis: dict[str, Any] | None = None  # see resume.world_shards
         if self.mode == "shard":
-            shards = assign_chunks(self.sizes, world_size, seed)
-            self.shard = shards[rank]
-            sizes = [len(s) for s in shards]
-            self.num_samples = min(sizes) if drop_last else max(sizes)
+            self._set_shard()
         else:
             self.shard = np.arange(self.n)
             self.num_samples = (
                 self.n // world_size if drop_last else -(-self.n // world_size)
             )
+
+    def _set_shard(self) -> None:
+        shards = world_shards(self.sizes, self.world_size, self.seed, self._basis)
+        self.shard = shards[self.rank]
+        sizes = [len(s) for s in shards]
+        self.num_samples = min(sizes) if self.drop_last else max(sizes)
+        self._order_cache = None
+
+    def use_basis(self, basis: Mapping[str, Any] | None) -> None:
+        """Derive the shard from the world this job resumed (None: rendezvous
+        over ranks), as a saved state says."""
+        if self.mode == "shard" and basis != self._basis:
+            self._basis = dict(basis) if basis is not None else None
+            self._set_shard()
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
@@ -169,6 +187,9 @@ class ShardSampler(Sampler[int]):
                 )
         plan = plan_resume(self.sizes, merged, self.world_size, nodes)
         epoch = int(merged["epoch"])
+        if nodes is not None and self.mode == "shard":
+            # Later epochs keep chunks where the old world cached them too.
+            self.use_basis(make_basis(merged, nodes))
         # Only this rank's order is kept: the sampler is pickled into every
         # DataLoader worker.
         self._resumed = {
@@ -244,6 +265,7 @@ class ShardSampler(Sampler[int]):
             "drop_last": self.drop_last,
             "resumed_from": resumed["merged"] if resumed else None,
             "plan_nodes": resumed["nodes"] if resumed else None,
+            "basis": self._basis,
         }
 
     # -- torchdata Stateful protocol ------------------------------------------------------
@@ -263,6 +285,7 @@ class ShardSampler(Sampler[int]):
                     f"sampler state has {key}={state.get(key)!r} but this sampler has "
                     f"{getattr(self, key)!r}; restore with the same settings."
                 )
+        self.use_basis(state.get("basis"))
         if state.get("resumed_from") is not None:
             self.resume_elastic(state["resumed_from"], state.get("plan_nodes"))
         self.resume(int(state["epoch"]), int(state["yielded"]))
@@ -334,7 +357,6 @@ def first_steps(
 
     sizes = np.asarray(chunk_sizes, dtype=np.int64)
     world = world_state(
-        sizes,
         world_size,
         epoch=epoch,
         seed=seed,

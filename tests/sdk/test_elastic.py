@@ -87,6 +87,7 @@ def _run(cfg, world, batch, steps, node_of, state=None, nodes=None, dist=False):
     return ray.get(calls, timeout=300)
 
 
+@pytest.mark.timeout(300)  # three rounds of Ray worker processes on 2 shared cores
 def test_elastic_resume_4_ranks_to_2_and_6_every_remaining_sample_once(
     ray_cluster, node_ids, s3, s3fs_client, bucket, redis_url, namespace
 ):
@@ -149,6 +150,7 @@ def test_elastic_resume_without_nodes_or_process_group_is_a_config_error(
         new.load_state_dict(states[0])
 
 
+@pytest.mark.timeout(300)  # spawned DataLoader workers import torch and Ray
 def test_stateful_dataloader_with_two_workers_resumes_mid_epoch_exactly(
     ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
 ):
@@ -171,6 +173,7 @@ def test_stateful_dataloader_with_two_workers_resumes_mid_epoch_exactly(
             num_workers=2,
             collate_fn=list,
             multiprocessing_context="spawn",
+            persistent_workers=True,  # one spawn for the resumed and next epoch
         )
 
     def ids(batch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import numpy as np
@@ -213,3 +214,55 @@ def test_first_steps_are_the_chunks_of_each_ranks_first_batches():
         need = np.searchsorted(starts, first, side="right") - 1
         assert set(chunks.tolist()) == set(need.tolist())
         assert chunks[0] == need[0]
+
+
+def _owner_nodes(shards, nodes):
+    out = np.empty(N, dtype=object)
+    for r, shard in enumerate(shards):
+        out[shard] = nodes[r]
+    return out
+
+
+def test_later_epochs_after_a_resume_keep_chunks_on_their_nodes():
+    from shardcache.sharding import assign_chunks
+
+    states, _ = _save(4, 2, 8, nodes=OLD_NODES)
+    two = _resume(merge_states(states), 2, ["nodeA", "nodeB"])
+    for s in two:
+        s.set_epoch(3)  # past the resumed epoch: the new world's own shards
+    orders = [list(s) for s in two]
+    assert len(orders[0]) == len(orders[1]) == 501  # 1,001 over 2, one padded
+    assert sorted(set(orders[0]) | set(orders[1])) == list(range(N))
+    assert set(two[0].shard.tolist()).isdisjoint(two[1].shard.tolist())
+    before = _owner_nodes(assign_chunks(CHUNKS, 4, 3), OLD_NODES)
+    after = _owner_nodes([s.shard for s in two], ["nodeA", "nodeB"])
+    held = Counter(before.tolist())
+    bound = sum(max(0, k - 501) for k in held.values())
+    moved = int((before != after).sum())
+    assert moved <= bound + 2
+    # Rendezvous over rank numbers alone would move about half.
+    plain = _owner_nodes(assign_chunks(CHUNKS, 2, 3), ["nodeA", "nodeB"])
+    assert int((before != plain).sum()) > 4 * moved + N // 5
+
+
+def test_resume_at_a_later_epoch_of_a_resumed_world_chains_exactly():
+    states, _ = _save(4, 2, 8, nodes=OLD_NODES)
+    nodes2 = ["nodeA", "nodeB"]
+    two = _resume(merge_states(states), 2, nodes2)
+    for s in two:
+        s.set_epoch(3)
+    seen = [i for s in two for i in list(s)[:100]]
+    again = [
+        {**s.state(), "consumed": 100, "node": nodes2[r]} for r, s in enumerate(two)
+    ]
+    assert all(st["basis"] is not None and st["resumed_from"] is None for st in again)
+    merged = merge_states(again)
+    # Small and plain: JSON, O(ranks), whatever the dataset size.
+    assert len(json.dumps(merged)) < 1000
+    three = _resume(merge_states(again), 3, ["nodeA", "nodeB", "nodeC"])
+    rest = [i for s in three for i in s]
+    assert Counter(seen + rest) == Counter(range(N))
+    # The same world restored from one rank's own state continues its order.
+    same = ShardSampler(CHUNKS, 1, 2, seed=3)
+    same.load_state_dict({**again[1], "yielded": 100})
+    assert list(same) == list(two[1].order(3))[100:]

@@ -61,6 +61,7 @@ class Rank:
         return [int(i) for b in self.batches for i in b[:, 0]]
 
 
+@pytest.mark.timeout(300)  # two Ray actor processes on 2 shared cores
 def test_cli_warm_steps_makes_every_ranks_first_steps_local_and_no_more(
     ray_cluster, node_ids, s3, s3fs_client, bucket, redis_url, namespace
 ):
