@@ -285,7 +285,8 @@ class ProxyClient:
         self.config = config
         self.redis_url = ""  # the index is the cache worker's
         self.index = _ProxyIndex(self)
-        self._names: dict[str, dict[str, Any]] = {}
+        # dataset -> (spec, preprocess/target names): replayed to a restarted endpoint
+        self._names: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
 
     # transport ------------------------------------------------------------------
     def call(self, op: str, **args: Any) -> Any:
@@ -341,14 +342,16 @@ class ProxyClient:
     ) -> None:
         """Name the dataset's preprocess and target to the cache worker, which
         imports them (see :func:`callable_name`)."""
-        names = self._names.get(spec["name"])
-        if names is None:
-            names = {
+        previous = self._names.get(spec["name"])
+        names = (
+            previous[1]
+            if previous is not None
+            else {
                 "preprocess": callable_name(preprocess, "preprocess"),
                 "target": callable_name(target, "target"),
-                "target_fp": fingerprint(target) if target is not None else None,
             }
-            self._names[spec["name"]] = names
+        )
+        self._names[spec["name"]] = (spec, names)
         self.call("register_dataset", spec=spec, **names)
 
     def resolve(
@@ -386,6 +389,7 @@ class EndpointClient(ProxyClient):
         self.socket_path = socket_path
         self._local = threading.local()
         self._pid = os.getpid()
+        self._dropped = False  # a connection broke: the endpoint may have restarted
 
     def _conn(self) -> socket.socket:
         if self._pid != os.getpid():
@@ -401,10 +405,23 @@ class EndpointClient(ProxyClient):
                 sock.close()
                 raise _unavailable(self.config, self.socket_path, exc) from exc
             self._local.sock = sock
-            reply = self._roundtrip(
-                sock, {"op": "hello", "namespace": self.config.namespace}
-            )
-            raise_reply_error(reply[0])
+            greetings = [{"op": "hello", "namespace": self.config.namespace}]
+            if self._dropped:
+                # After a dropped connection the endpoint (and store) may have
+                # restarted: hand it the datasets this process reads again,
+                # as the Ray path re-registers with a restarted store.
+                self._dropped = False
+                greetings += [
+                    {"op": "register_dataset", "spec": spec, **names}
+                    for spec, names in list(self._names.values())
+                ]
+            for greeting in greetings:
+                reply, fds = self._roundtrip(sock, greeting)
+                _close_all(fds)
+                if reply.get("error"):
+                    self._local.sock = None
+                    sock.close()
+                    raise_reply_error(reply)
         return sock
 
     def _roundtrip(
@@ -415,6 +432,7 @@ class EndpointClient(ProxyClient):
             return recv_frame(sock)
         except (OSError, EOFError, ValueError) as exc:
             self._local.sock = None
+            self._dropped = True
             sock.close()
             raise EndpointUnavailable(
                 f"the cache endpoint at {self.socket_path} on node "
@@ -423,7 +441,14 @@ class EndpointClient(ProxyClient):
             ) from exc
 
     def _request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        reply, fds = self._roundtrip(self._conn(), message)
+        try:
+            reply, fds = self._roundtrip(self._conn(), message)
+        except EndpointUnavailable:
+            if message["op"] == "invalidate":
+                raise  # not idempotent: the caller decides
+            # The cache worker pod restarted: one new connection, one retry
+            # (every other request is idempotent; usage flushes carry a seq).
+            reply, fds = self._roundtrip(self._conn(), message)
         if reply.get("error"):
             _close_all(fds)
             raise_reply_error(reply)
