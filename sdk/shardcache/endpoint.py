@@ -160,9 +160,7 @@ def callable_name(fn: Callable[..., Any] | None, label: str) -> str | None:
             "by name, never as pickled code); move it out of the script."
         )
     try:
-        found: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            found = getattr(found, part)
+        found = _import(module, qualname)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(
             f"{label} {module}:{qualname} is not importable: {exc}"
@@ -170,6 +168,13 @@ def callable_name(fn: Callable[..., Any] | None, label: str) -> str | None:
     if found is not fn:
         raise ConfigError(f"{label} {module}:{qualname} does not name {fn!r}.")
     return f"{module}:{qualname}"
+
+
+def _import(module: str, qualname: str) -> Any:
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return found
 
 
 def load_callable(name: str, fp: str, label: str) -> Callable[..., Any]:
@@ -180,9 +185,7 @@ def load_callable(name: str, fp: str, label: str) -> Callable[..., Any]:
     """
     module, _, qualname = name.partition(":")
     try:
-        found: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            found = getattr(found, part)
+        found = _import(module, qualname)
     except (ImportError, AttributeError, ValueError) as exc:
         raise ConfigError(
             f"the cache worker cannot import {label} {name}: {exc}. Install the module "
