@@ -141,7 +141,8 @@ def main() -> None:
         namespace="bench",
         ray_address=cluster.address,
         endpoint_socket=str(tmp / "endpoint.sock"),
-        endpoint_shm_dir=str(tmp / "shm"),
+        # memory-backed, as the chart's emptyDir (medium: Memory)
+        endpoint_shm_dir=tempfile.mkdtemp(prefix="sc-bench-", dir="/dev/shm"),
         endpoint_shm_bytes=4 * args.samples * args.sample_bytes + 2**26,
         flight_port=free_port(),
         flight_token=token,
@@ -224,6 +225,7 @@ def main() -> None:
         unix.shutdown()
         flight.shutdown()
         endpoint.files.clear()
+        Path(settings.endpoint_shm_dir).rmdir()
         ray.shutdown()
         cluster.shutdown()
         redis_proc.terminate()

@@ -103,3 +103,21 @@ def test_endpoint_chunk_buffer_rejects_foreign_bytes():
 
     with pytest.raises(ChunkFileError, match="not a chunk file"):
         read_chunk_buffer(b"x" * 64, "streamed chunk")
+
+
+def test_remote_chunk_bytes_are_viewed_in_place_unless_a_column_would_be_misaligned(
+    tmp_path,
+):
+    import pyarrow as pa
+
+    from shardcache.remote import _columns
+
+    for dtype, copied in ((np.uint8, False), (np.int64, True)):
+        path = tmp_path / f"{np.dtype(dtype).name}.chunk"
+        write_chunk_file(path, {"_": np.arange(24, dtype=dtype).reshape(4, 6)})
+        raw = bytearray(1) + bytearray(path.read_bytes())  # received at offset 1
+        buf = pa.py_buffer(raw).slice(1)
+        columns = _columns(buf)
+        assert columns["_"].tolist() == np.arange(24).reshape(4, 6).tolist()
+        assert columns["_"].flags.aligned
+        assert np.shares_memory(columns["_"], np.frombuffer(raw, np.uint8)) != copied
