@@ -13,7 +13,8 @@ warm epochs with ``ds.loader(--batch-size)``; the best warm epoch counts.
 ``remote`` streams every chunk of the (warm) dataset over Flight
 (``FlightClient.resolve``) and ``socket`` copies the same number of bytes
 over a loopback TCP socket (sendall / recv_into, 4 MiB buffers). Prints one
-JSON line.
+JSON line. Compare the warm figures: the rank that runs first (``ray``) also
+pays for starting the node's build workers in its cold epoch.
 """
 
 from __future__ import annotations
