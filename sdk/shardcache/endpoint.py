@@ -296,12 +296,9 @@ class ProxyClient:
         raise NotImplementedError
 
     def _chunks(
-        self,
-        name: str,
-        generation: int,
-        items: list[tuple[str, str, int]],
-        digest: str | None,
+        self, request: dict[str, Any]
     ) -> list[tuple[str, dict[str, np.ndarray]]]:
+        """``(status, columns)`` per item of one ``get`` request."""
         raise NotImplementedError
 
     def _manifest_columns(
@@ -369,7 +366,13 @@ class ProxyClient:
         out: list[tuple[str, dict[str, np.ndarray]]] = []
         for i in range(0, len(items), MAX_FDS_PER_FRAME):
             out += self._chunks(
-                name, generation, items[i : i + MAX_FDS_PER_FRAME], digest
+                {
+                    "op": "get",
+                    "name": name,
+                    "generation": generation,
+                    "items": [list(item) for item in items[i : i + MAX_FDS_PER_FRAME]],
+                    "digest": digest,
+                }
             )
         return out
 
@@ -463,26 +466,14 @@ class EndpointClient(ProxyClient):
         return reply.get("result")
 
     def _chunks(
-        self,
-        name: str,
-        generation: int,
-        items: list[tuple[str, str, int]],
-        digest: str | None,
+        self, request: dict[str, Any]
     ) -> list[tuple[str, dict[str, np.ndarray]]]:
-        reply, fds = self._request(
-            {
-                "op": "get",
-                "name": name,
-                "generation": generation,
-                "items": [list(i) for i in items],
-                "digest": digest,
-            }
-        )
+        reply, fds = self._request(request)
         try:
             return [
                 (status, _map_fd(fd, f"chunk {key}")[0])
                 for (key, _, _), status, fd in zip(
-                    items, reply["statuses"], fds, strict=True
+                    request["items"], reply["statuses"], fds, strict=True
                 )
             ]
         finally:

@@ -131,21 +131,9 @@ class FlightClient(ProxyClient):
         return table
 
     def _chunks(
-        self,
-        name: str,
-        generation: int,
-        items: list[tuple[str, str, int]],
-        digest: str | None,
+        self, request: dict[str, Any]
     ) -> list[tuple[str, dict[str, np.ndarray]]]:
-        table = self._stream(
-            {
-                "op": "get",
-                "name": name,
-                "generation": generation,
-                "items": [list(i) for i in items],
-                "digest": digest,
-            }
-        )
+        table = self._stream(request)
         out = []
         for status, data in zip(
             table.column("status").to_pylist(), _buffers(table), strict=True
