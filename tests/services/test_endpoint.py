@@ -35,6 +35,9 @@ TOKEN = "flight-" + uuid.uuid4().hex
 
 pytestmark = [
     pytest.mark.slow,
+    # A Ray node and subprocess ranks on a 2-core machine shared with others:
+    # the default 120 s is for one process, not for a simulated node.
+    pytest.mark.timeout(600),
     pytest.mark.skipif(
         os.geteuid() != 0 or shutil.which("unshare") is None,
         reason="needs root and unshare(1) for mount and network namespaces",
