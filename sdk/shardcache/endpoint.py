@@ -160,9 +160,7 @@ def callable_name(fn: Callable[..., Any] | None, label: str) -> str | None:
             "by name, never as pickled code); move it out of the script."
         )
     try:
-        found: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            found = getattr(found, part)
+        found = _import(module, qualname)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(
             f"{label} {module}:{qualname} is not importable: {exc}"
@@ -170,6 +168,13 @@ def callable_name(fn: Callable[..., Any] | None, label: str) -> str | None:
     if found is not fn:
         raise ConfigError(f"{label} {module}:{qualname} does not name {fn!r}.")
     return f"{module}:{qualname}"
+
+
+def _import(module: str, qualname: str) -> Any:
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return found
 
 
 def load_callable(name: str, fp: str, label: str) -> Callable[..., Any]:
@@ -180,9 +185,7 @@ def load_callable(name: str, fp: str, label: str) -> Callable[..., Any]:
     """
     module, _, qualname = name.partition(":")
     try:
-        found: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            found = getattr(found, part)
+        found = _import(module, qualname)
     except (ImportError, AttributeError, ValueError) as exc:
         raise ConfigError(
             f"the cache worker cannot import {label} {name}: {exc}. Install the module "
@@ -285,19 +288,17 @@ class ProxyClient:
         self.config = config
         self.redis_url = ""  # the index is the cache worker's
         self.index = _ProxyIndex(self)
-        self._names: dict[str, dict[str, Any]] = {}
+        # dataset -> (spec, preprocess/target names): replayed to a restarted endpoint
+        self._names: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
 
     # transport ------------------------------------------------------------------
     def call(self, op: str, **args: Any) -> Any:
         raise NotImplementedError
 
     def _chunks(
-        self,
-        name: str,
-        generation: int,
-        items: list[tuple[str, str, int]],
-        digest: str | None,
+        self, request: dict[str, Any]
     ) -> list[tuple[str, dict[str, np.ndarray]]]:
+        """``(status, columns)`` per item of one ``get`` request."""
         raise NotImplementedError
 
     def _manifest_columns(
@@ -341,14 +342,16 @@ class ProxyClient:
     ) -> None:
         """Name the dataset's preprocess and target to the cache worker, which
         imports them (see :func:`callable_name`)."""
-        names = self._names.get(spec["name"])
-        if names is None:
-            names = {
+        previous = self._names.get(spec["name"])
+        names = (
+            previous[1]
+            if previous is not None
+            else {
                 "preprocess": callable_name(preprocess, "preprocess"),
                 "target": callable_name(target, "target"),
-                "target_fp": fingerprint(target) if target is not None else None,
             }
-            self._names[spec["name"]] = names
+        )
+        self._names[spec["name"]] = (spec, names)
         self.call("register_dataset", spec=spec, **names)
 
     def resolve(
@@ -363,7 +366,13 @@ class ProxyClient:
         out: list[tuple[str, dict[str, np.ndarray]]] = []
         for i in range(0, len(items), MAX_FDS_PER_FRAME):
             out += self._chunks(
-                name, generation, items[i : i + MAX_FDS_PER_FRAME], digest
+                {
+                    "op": "get",
+                    "name": name,
+                    "generation": generation,
+                    "items": [list(item) for item in items[i : i + MAX_FDS_PER_FRAME]],
+                    "digest": digest,
+                }
             )
         return out
 
@@ -387,6 +396,7 @@ class EndpointClient(ProxyClient):
         self.socket_path = socket_path
         self._local = threading.local()
         self._pid = os.getpid()
+        self._dropped = False  # a connection broke: the endpoint may have restarted
 
     def _conn(self) -> socket.socket:
         if self._pid != os.getpid():
@@ -402,10 +412,23 @@ class EndpointClient(ProxyClient):
                 sock.close()
                 raise _unavailable(self.config, self.socket_path, exc) from exc
             self._local.sock = sock
-            reply = self._roundtrip(
-                sock, {"op": "hello", "namespace": self.config.namespace}
-            )
-            raise_reply_error(reply[0])
+            greetings = [{"op": "hello", "namespace": self.config.namespace}]
+            if self._dropped:
+                # After a dropped connection the endpoint (and store) may have
+                # restarted: hand it the datasets this process reads again,
+                # as the Ray path re-registers with a restarted store.
+                self._dropped = False
+                greetings += [
+                    {"op": "register_dataset", "spec": spec, **names}
+                    for spec, names in list(self._names.values())
+                ]
+            for greeting in greetings:
+                reply, fds = self._roundtrip(sock, greeting)
+                _close_all(fds)
+                if reply.get("error"):
+                    self._local.sock = None
+                    sock.close()
+                    raise_reply_error(reply)
         return sock
 
     def _roundtrip(
@@ -416,6 +439,7 @@ class EndpointClient(ProxyClient):
             return recv_frame(sock)
         except (OSError, EOFError, ValueError) as exc:
             self._local.sock = None
+            self._dropped = True
             sock.close()
             raise EndpointUnavailable(
                 f"the cache endpoint at {self.socket_path} on node "
@@ -424,7 +448,14 @@ class EndpointClient(ProxyClient):
             ) from exc
 
     def _request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        reply, fds = self._roundtrip(self._conn(), message)
+        try:
+            reply, fds = self._roundtrip(self._conn(), message)
+        except EndpointUnavailable:
+            if message["op"] == "invalidate":
+                raise  # not idempotent: the caller decides
+            # The cache worker pod restarted: one new connection, one retry
+            # (every other request is idempotent; usage flushes carry a seq).
+            reply, fds = self._roundtrip(self._conn(), message)
         if reply.get("error"):
             _close_all(fds)
             raise_reply_error(reply)
@@ -436,26 +467,14 @@ class EndpointClient(ProxyClient):
         return reply.get("result")
 
     def _chunks(
-        self,
-        name: str,
-        generation: int,
-        items: list[tuple[str, str, int]],
-        digest: str | None,
+        self, request: dict[str, Any]
     ) -> list[tuple[str, dict[str, np.ndarray]]]:
-        reply, fds = self._request(
-            {
-                "op": "get",
-                "name": name,
-                "generation": generation,
-                "items": [list(i) for i in items],
-                "digest": digest,
-            }
-        )
+        reply, fds = self._request(request)
         try:
             return [
                 (status, _map_fd(fd, f"chunk {key}")[0])
                 for (key, _, _), status, fd in zip(
-                    items, reply["statuses"], fds, strict=True
+                    request["items"], reply["statuses"], fds, strict=True
                 )
             ]
         finally:

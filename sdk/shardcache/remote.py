@@ -131,21 +131,9 @@ class FlightClient(ProxyClient):
         return table
 
     def _chunks(
-        self,
-        name: str,
-        generation: int,
-        items: list[tuple[str, str, int]],
-        digest: str | None,
+        self, request: dict[str, Any]
     ) -> list[tuple[str, dict[str, np.ndarray]]]:
-        table = self._stream(
-            {
-                "op": "get",
-                "name": name,
-                "generation": generation,
-                "items": [list(i) for i in items],
-                "digest": digest,
-            }
-        )
+        table = self._stream(request)
         out = []
         for status, data in zip(
             table.column("status").to_pylist(), _buffers(table), strict=True
@@ -176,7 +164,7 @@ def _buffers(table: Any) -> list[Any]:
 
 def _aligned(buf: Any) -> Any:
     """``buf`` itself when 64-byte aligned, else one aligned copy (the columns
-    inside are aligned relative to the start, and torch wants aligned arrays)."""
+    inside are aligned relative to the start)."""
     if buf.address % _ALIGN_BYTES == 0:
         return buf
     raw = np.empty(buf.size + _ALIGN_BYTES, dtype=np.uint8)
@@ -187,4 +175,11 @@ def _aligned(buf: Any) -> Any:
 
 
 def _columns(buf: Any) -> dict[str, np.ndarray]:
+    """A received chunk's columns: views of the received buffer, unless a
+    multi-byte column would be misaligned there (gRPC places the bytes where
+    it likes); then views of one aligned copy. Byte columns (uint8 images,
+    raw bytes) are never copied."""
+    columns = read_chunk_buffer(buf, "streamed chunk")[0]
+    if all(a.flags.aligned for a in columns.values()):
+        return columns
     return read_chunk_buffer(_aligned(buf), "streamed chunk")[0]

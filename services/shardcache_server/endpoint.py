@@ -151,18 +151,21 @@ class ShmFiles:
                 return found[0], False
             writing = self._writing.setdefault(name, threading.Lock())
         with writing:  # two ranks asking at once: one writes, the other waits
-            with self._lock:
-                found = self._files.get(name)
-                if found is not None:
-                    return found[0], False
-            path = self.directory / f"{name}.chunk"
-            size = write_chunk_file(path, columns(), meta)
-            self.written += 1
-            with self._lock:
-                self._files[name] = (path, size)
-                self._bytes += size
-                self._writing.pop(name, None)
-                self._evict(keep_name=name)
+            try:
+                with self._lock:
+                    found = self._files.get(name)
+                    if found is not None:
+                        return found[0], False
+                path = self.directory / f"{name}.chunk"
+                size = write_chunk_file(path, columns(), meta)
+                self.written += 1
+                with self._lock:
+                    self._files[name] = (path, size)
+                    self._bytes += size
+                    self._evict(keep_name=name)
+            finally:
+                with self._lock:
+                    self._writing.pop(name, None)
         return path, False
 
     def _evict(self, keep_name: str) -> None:

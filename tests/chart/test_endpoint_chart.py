@@ -66,6 +66,7 @@ def test_daemonset_runs_endpoint_beside_raylet_with_socket_and_memory_when_endpo
         == "/var/run/shardcache/endpoint.sock"
     )
     assert env["SHARDCACHE_ENDPOINT_SHM_BYTES"]["value"] == "8589934592"
+    assert env["SHARDCACHE_RAY_ADDRESS"]["value"] == "rel-shardcache-ray-head:6379"
     assert (
         env["SHARDCACHE_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"]
         == "spec.nodeName"

@@ -12,7 +12,7 @@ import pytest
 
 from shardcache import embedded
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # two Ray heads start
 
 
 def test_local_stop_stops_only_the_ray_head_and_redis_shardcache_started(

@@ -35,6 +35,9 @@ TOKEN = "flight-" + uuid.uuid4().hex
 
 pytestmark = [
     pytest.mark.slow,
+    # A Ray node and subprocess ranks on a 2-core machine shared with others:
+    # the default 120 s is for one process, not for a simulated node.
+    pytest.mark.timeout(600),
     pytest.mark.skipif(
         os.geteuid() != 0 or shutil.which("unshare") is None,
         reason="needs root and unshare(1) for mount and network namespaces",
@@ -53,22 +56,32 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _pod(script: str, *args: str, hostpath: Path | None, own_net: bool, env: dict):
-    """Run ``script`` in a fresh mount namespace: the hostPath (if any) at
-    /mnt, a private /tmp; with ``own_net`` also a network namespace with only
-    loopback (up, for the ranks' gloo rendezvous)."""
+def _pod(
+    script: str,
+    *args: str,
+    hostpath: Path | None,
+    own_net: bool,
+    env: dict,
+    results: Path | None = None,
+):
+    """Run ``script`` in a fresh mount namespace: the hostPath (if any)
+    read-only at /mnt as the chart mounts it, a results directory at /srv, a
+    private /tmp; with ``own_net`` also a network namespace with only loopback
+    (up, for the ranks' gloo rendezvous)."""
     steps = []
     if own_net:
         steps.append("ip link set lo up")
     if hostpath is not None:
-        steps.append(f"mount --bind {hostpath} /mnt")
+        steps += [f"mount --bind {hostpath} /mnt", "mount -o remount,bind,ro /mnt"]
+    if results is not None:
+        steps.append(f"mount --bind {results} /srv")
     steps += ["mount -t tmpfs tmpfs /tmp", 'exec "$0" "$@"']
     flags = ["-m", "--propagation", "private"] + (["-n"] if own_net else [])
     return (
         ["unshare", *flags, "sh", "-c", " && ".join(steps)],
         [
             sys.executable,
-            str(HERE / script),
+            *(script.split() if script.startswith("-m ") else [str(HERE / script)]),
             *args,
         ],
         env,
@@ -153,10 +166,12 @@ def worker(tmp_path, redis_url, s3):
     log.close()
 
 
-def _objects(s3fs_client, bucket: str) -> str:
+def _objects(s3fs_client, bucket: str, same_size: bool = False) -> str:
     prefix = f"{bucket}/data"
     for i in range(OBJECTS):
-        s3fs_client.pipe(f"{prefix}/{i:03d}.bin", bytes([i]) * (64 + i))
+        s3fs_client.pipe(
+            f"{prefix}/{i:03d}.bin", bytes([i]) * (64 + i * (not same_size))
+        )
     return f"s3://{prefix}/"
 
 
@@ -171,7 +186,7 @@ def test_endpoint_ranks_outside_ray_read_mapped_shards_through_the_socket(
         "storage_options": s3.storage_options(),
         "name": "pods",
         "port": free_port(),
-        "shared": "/mnt",
+        "shared": "/srv",
         "changed_url": changed,
     }
     pod_env = _env(
@@ -179,14 +194,16 @@ def test_endpoint_ranks_outside_ray_read_mapped_shards_through_the_socket(
         SHARDCACHE_NODE_NAME="node-a",
         SHARDCACHE_NAMESPACE=worker["namespace"],
     )
+    results = hostpath.parent / "results"
+    results.mkdir()
     wrapper, argv, env = _pod(
         "endpoint_job.py", "ranks", json.dumps(cfg), hostpath=hostpath, own_net=True,
-        env=pod_env,
+        env=pod_env, results=results,
     )  # fmt: skip
     ranks = subprocess.Popen([*wrapper, *argv], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)  # fmt: skip
     deadline = time.monotonic() + 180
-    while not (hostpath / "read-twice").exists():
+    while not (results / "read-twice").exists():
         if ranks.poll() is not None or time.monotonic() > deadline:
             ranks.kill()
             pytest.fail(
@@ -197,15 +214,15 @@ def test_endpoint_ranks_outside_ray_read_mapped_shards_through_the_socket(
     assert s3.total_gets == OBJECTS
     assert all(n == 1 for n in s3.gets.values())
     s3fs_client.pipe(changed.removeprefix("s3://"), bytes([200]) * (64 + 5))
-    (hostpath / "changed").write_text("")
+    (results / "changed").write_text("")
     out, _ = ranks.communicate(timeout=180)
     assert ranks.returncode == 0, out[-4000:]
 
-    results = [json.loads((hostpath / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks_out = [json.loads((results / f"rank{r}.json").read_text()) for r in (0, 1)]
     # The changed object, and only it, was read again.
     assert s3.total_gets == OBJECTS + 1
     assert max(s3.gets.values()) == 2
-    for res in results:
+    for res in ranks_out:
         assert not res["ray_imported"]
         assert res["refreshed"] == [changed]
         for epoch in res["epochs"]:
@@ -214,14 +231,14 @@ def test_endpoint_ranks_outside_ray_read_mapped_shards_through_the_socket(
             assert epoch["mapped"] == len(epoch["seen"]) == OBJECTS // 2
     # Disjoint shards covering the dataset, stable across epochs.
     for e in range(3):
-        a, b = (set(r["epochs"][e]["seen"]) for r in results)
+        a, b = (set(r["epochs"][e]["seen"]) for r in ranks_out)
         assert not a & b and len(a | b) == OBJECTS
     # Cluster figures as the Ray path records them: epoch 0 and the chunk of
     # the changed object from the source, the rest from the cache.
     totals = UsageReader(redis, worker["namespace"]).totals("pods")
     assert totals.samples == 3 * OBJECTS
     assert totals.samples_source == OBJECTS + CHUNK
-    assert results[0]["stats"]["cluster"]["hit_rate"] == pytest.approx(
+    assert ranks_out[0]["stats"]["cluster"]["hit_rate"] == pytest.approx(
         1 - (OBJECTS + CHUNK) / (3 * OBJECTS)
     )  # read by the rank through the socket
 
@@ -283,3 +300,30 @@ def test_endpoint_allow_remote_streams_from_another_nodes_worker_over_flight_tls
     assert json.loads(bad.stdout.strip().splitlines()[-1])["error"] == (
         "EndpointUnavailable"
     )
+
+
+def test_endpoint_example_torchrun_script_trains_in_a_pod_outside_ray(
+    worker, s3, s3fs_client, bucket
+):
+    """The chart's PyTorchJob command, as rendered: torchrun with 2 ranks."""
+    url = _objects(s3fs_client, bucket, same_size=True)
+    script = ROOT / "helm" / "shardcache" / "examples" / "torchrun_train.py"
+    env = _env(
+        SHARDCACHE_ENDPOINT="/mnt/endpoint.sock",
+        SHARDCACHE_NODE_NAME="node-a",
+        SHARDCACHE_NAMESPACE=worker["namespace"],
+    )
+    port = free_port()
+    done = _run(_pod(
+        f"-m torch.distributed.run --nproc-per-node=2 --master-addr=127.0.0.1 "
+        f"--master-port={port} {script}", url, "--epochs=2", "--batch-size=4",
+        f"--storage-options={json.dumps(s3.storage_options())}",
+        hostpath=worker["hostpath"], own_net=True, env=env,
+    ), timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    assert [x["epoch"] for x in lines] == [0, 1]
+    assert all(
+        x["samples"] == OBJECTS // 2 and x["bytes"] == 64 * OBJECTS // 2 for x in lines
+    )
+    assert s3.total_gets == OBJECTS

@@ -1,0 +1,236 @@
+"""Pods outside Ray (issue 18): warm samples/s of one rank through the node-local
+endpoint beside the in-Ray path, and the Flight stream beside a loopback socket.
+
+    .venv/bin/python bench/endpoint.py --samples 8192 --sample-bytes 4096
+
+One Ray node on loopback, a local Redis, ``--samples`` files of
+``--sample-bytes`` under a temp directory (a ``file://`` source: the cold
+read is not what is measured). This process is the cache worker (a Ray
+driver running the endpoint on a Unix socket and on Flight); each rank is a
+subprocess: ``ray`` (a Ray driver, the Ray path) or ``endpoint`` (no Ray,
+``SHARDCACHE_ENDPOINT``). A rank reads one cold epoch, then ``--epochs``
+warm epochs with ``ds.loader(--batch-size)``; the best warm epoch counts.
+``remote`` streams every chunk of the (warm) dataset over Flight
+(``FlightClient.resolve``) and ``socket`` copies the same number of bytes
+over a loopback TCP socket (sendall / recv_into, 4 MiB buffers). Prints one
+JSON line. Compare the warm figures: the rank that runs first (``ray``) also
+pays for starting the node's build workers in its cold epoch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+ROOT = Path(__file__).resolve().parents[1]
+COPY_BUFFER_BYTES = 4 * 2**20  # per sendall / recv_into of the loopback baseline
+
+
+def _rank(mode: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """One rank: a cold epoch, then warm epochs; samples/s of each."""
+    from shardcache import DistributedCachedDataset
+
+    ds = DistributedCachedDataset(cfg["url"], name=cfg["name"], rank=0, world_size=1)
+    rates = []
+    for epoch in range(cfg["epochs"] + 1):
+        ds.set_epoch(epoch)
+        started, n = time.perf_counter(), 0
+        for batch in ds.loader(cfg["batch_size"]):
+            n += len(batch)
+        rates.append(n / (time.perf_counter() - started))
+    ds.close()
+    return {
+        "mode": mode,
+        "cold_samples_per_s": rates[0],
+        "warm_samples_per_s": max(rates[1:]),
+        "ray_imported": "ray" in sys.modules,
+    }
+
+
+def _spawn(mode: str, cfg: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, __file__, "--rank", mode, json.dumps(cfg)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{mode} rank failed: {done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _loopback_copy(nbytes: int) -> float:
+    """GB/s of ``nbytes`` through a loopback TCP socket (one sender thread)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    payload = memoryview(bytearray(COPY_BUFFER_BYTES))
+
+    def send() -> None:
+        conn, _ = server.accept()
+        left = nbytes
+        while left > 0:
+            conn.sendall(payload[: min(left, COPY_BUFFER_BYTES)])
+            left -= COPY_BUFFER_BYTES
+        conn.close()
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    sink = bytearray(COPY_BUFFER_BYTES)
+    started = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        got = 0
+        while got < nbytes:
+            n = sock.recv_into(sink)
+            if not n:
+                break
+            got += n
+    elapsed = time.perf_counter() - started
+    sender.join()
+    server.close()
+    return got / elapsed / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=8192)
+    parser.add_argument("--sample-bytes", type=int, default=4096)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--epochs", type=int, default=3, help="warm epochs")
+    parser.add_argument("--rank", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank:
+        print(json.dumps(_rank(args.rank[0], json.loads(args.rank[1]))))
+        return
+
+    import numpy as np
+    import ray
+
+    from shardcache.config import ClientConfig
+    from shardcache.embedded import (
+        free_port,
+        start_loopback_cluster,
+        start_redis_server,
+    )
+    from shardcache.remote import FlightClient
+    from shardcache_server.endpoint import Endpoint, EndpointSettings, serve_unix
+    from shardcache_server.flight import serve_flight
+
+    tmp = Path(tempfile.mkdtemp(prefix="sc-endpoint-bench-"))
+    data = tmp / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(args.samples):
+        (data / f"s{i:07d}.bin").write_bytes(rng.bytes(args.sample_bytes))
+    redis_proc, redis_url = start_redis_server(tmp, password="bench")
+    cluster = start_loopback_cluster(1, 2 * args.samples * args.sample_bytes + 2**28)
+    ray.init(address=cluster.address, log_to_driver=False, logging_level="WARNING")
+    token = "bench-token"
+    settings = EndpointSettings(
+        redis_url=redis_url,
+        namespace="bench",
+        ray_address=cluster.address,
+        endpoint_socket=str(tmp / "endpoint.sock"),
+        # memory-backed, as the chart's emptyDir (medium: Memory)
+        endpoint_shm_dir=tempfile.mkdtemp(prefix="sc-bench-", dir="/dev/shm"),
+        endpoint_shm_bytes=4 * args.samples * args.sample_bytes + 2**26,
+        flight_port=free_port(),
+        flight_token=token,
+        node_name="bench-node",
+    )
+    endpoint = Endpoint(settings)
+    endpoint.start()
+    unix = serve_unix(endpoint)
+    threading.Thread(target=unix.serve_forever, daemon=True).start()
+    flight = serve_flight(endpoint)
+    threading.Thread(target=flight.serve, daemon=True).start()
+    base_env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("SHARDCACHE_", "RAY_"))
+    }
+    base_env["PYTHONPATH"] = f"{ROOT / 'sdk'}:{ROOT / 'services'}"
+    base_env["SHARDCACHE_NAMESPACE"] = "bench"
+    url = f"file://{data}/"
+    cfg = {"url": url, "epochs": args.epochs, "batch_size": args.batch_size}
+    try:
+        ray_rank = _spawn(
+            "ray",
+            {**cfg, "name": "bench-ray"},
+            {
+                **base_env,
+                "SHARDCACHE_REDIS_URL": redis_url,
+                "SHARDCACHE_RAY_ADDRESS": cluster.address,
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            },
+        )
+        endpoint_rank = _spawn(
+            "endpoint",
+            {**cfg, "name": "bench-endpoint"},
+            {**base_env, "SHARDCACHE_ENDPOINT": settings.endpoint_socket},
+        )
+        # The remote stream: every chunk of the (now warm) endpoint dataset.
+        client = FlightClient(
+            ClientConfig(
+                namespace="bench",
+                remote_url=f"grpc://127.0.0.1:{settings.flight_port}",
+                remote_token=token,
+            )
+        )
+        spec = {
+            "name": "bench-endpoint",
+            "urls": url,
+            "protocol": "file",
+            "storage_options": {},
+            "chunk_bytes": 16 * 2**20,
+            "chunk_samples": 4096,
+        }
+        manifest, digest = client.manifest(spec)
+        generation = client.index.generation("bench-endpoint")
+        items = manifest.chunk_items(range(len(manifest.layout)))
+        best = 0.0
+        for _ in range(3):
+            started = time.perf_counter()
+            chunks = client.resolve("bench-endpoint", generation, items, digest)
+            elapsed = time.perf_counter() - started
+            nbytes = sum(
+                int(sum(c.nbytes for c in cols.values())) for _, cols in chunks
+            )
+            best = max(best, nbytes / elapsed / 1e9)
+        loopback = max(_loopback_copy(nbytes) for _ in range(3))
+        print(
+            json.dumps(
+                {
+                    "samples": args.samples,
+                    "sample_bytes": args.sample_bytes,
+                    "batch_size": args.batch_size,
+                    "ray_path": ray_rank,
+                    "endpoint": endpoint_rank,
+                    "remote_stream_gb_per_s": round(best, 3),
+                    "loopback_socket_gb_per_s": round(loopback, 3),
+                    "stream_bytes": nbytes,
+                    "cpus": os.cpu_count(),
+                }
+            )
+        )
+    finally:
+        unix.shutdown()
+        flight.shutdown()
+        endpoint.files.clear()
+        Path(settings.endpoint_shm_dir).rmdir()
+        ray.shutdown()
+        cluster.shutdown()
+        redis_proc.terminate()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The node-local endpoint's client side without a cluster: the wire format over a
+real socket pair, how the read path is chosen, and preprocess by name."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+
+from shardcache.chunk_file import read_chunk_buffer, write_chunk_file
+from shardcache.client import CacheClient
+from shardcache.config import ClientConfig
+from shardcache.decoders import raw_bytes
+from shardcache.endpoint import (
+    EndpointClient,
+    _map_fd,
+    callable_name,
+    load_callable,
+    open_client,
+    recv_frame,
+    send_frame,
+)
+from shardcache.errors import ConfigError, EndpointUnavailable
+from shardcache.fingerprint import fingerprint
+from shardcache.remote import FlightClient
+
+
+def test_endpoint_frames_carry_json_and_read_only_descriptors(tmp_path):
+    path = tmp_path / "c0.chunk"
+    write_chunk_file(path, {"_": np.arange(12, dtype=np.int32).reshape(3, 4)})
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        send_frame(a, {"op": "get", "statuses": ["hit"], "big": "x" * 100_000}, [fd])
+        message, fds = recv_frame(b)
+    finally:
+        os.close(fd)
+        a.close()
+        b.close()
+    assert message["statuses"] == ["hit"] and len(message["big"]) == 100_000
+    (got,) = fds
+    columns, _ = _map_fd(got, "chunk c0")
+    os.close(got)  # the mapping outlives the descriptor
+    assert columns["_"].tolist() == np.arange(12).reshape(3, 4).tolist()
+    with pytest.raises(ValueError):
+        columns["_"][0, 0] = 1  # read-only
+
+
+def test_endpoint_frame_refuses_a_closed_peer():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.close()
+    with pytest.raises(EOFError):
+        recv_frame(b)
+    b.close()
+
+
+def test_endpoint_open_client_chooses_the_read_path(tmp_path):
+    missing = str(tmp_path / "endpoint.sock")
+    with pytest.raises(EndpointUnavailable, match="node gpu-7.*endpoint.sock"):
+        open_client(ClientConfig(endpoint=missing, node_name="gpu-7"))
+    with pytest.raises(EndpointUnavailable, match="gpu-7"):
+        open_client(ClientConfig(node_name="gpu-7"))  # the pod says where it is
+    with pytest.raises(ConfigError, match="SHARDCACHE_REMOTE_URL"):
+        open_client(ClientConfig(node_name="gpu-7", allow_remote=True))
+    remote = open_client(
+        ClientConfig(allow_remote=True, remote_url="grpc://10.0.0.1:8815")
+    )
+    assert isinstance(remote, FlightClient) and remote.remote
+    with pytest.raises(ConfigError, match="remote_url"):
+        open_client(ClientConfig(allow_remote=True, remote_url="http://x:1"))
+    assert isinstance(open_client(ClientConfig()), CacheClient)  # a Ray node
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(missing)
+    try:
+        assert isinstance(open_client(ClientConfig(endpoint=missing)), EndpointClient)
+    finally:
+        server.close()
+
+
+def _script_fn(data: bytes) -> bytes:
+    return data
+
+
+def test_endpoint_preprocess_goes_by_importable_name_with_the_same_fingerprint():
+    assert callable_name(raw_bytes, "preprocess") == "shardcache.decoders:raw_bytes"
+    with pytest.raises(ConfigError, match="module-level"):
+        callable_name(lambda b: b, "preprocess")
+    _script_fn.__module__ = "__main__"  # as if defined in the training script
+    with pytest.raises(ConfigError, match="module-level"):
+        callable_name(_script_fn, "preprocess")
+    name = "shardcache.decoders:raw_bytes"
+    assert load_callable(name, fingerprint(raw_bytes), "preprocess") is raw_bytes
+    with pytest.raises(ConfigError, match="differs"):
+        load_callable(name, "0" * 16, "preprocess")
+    with pytest.raises(ConfigError, match="cannot import"):
+        load_callable("no_such_module:f", "0" * 16, "preprocess")
+
+
+def test_endpoint_chunk_buffer_rejects_foreign_bytes():
+    from shardcache.errors import ChunkFileError
+
+    with pytest.raises(ChunkFileError, match="not a chunk file"):
+        read_chunk_buffer(b"x" * 64, "streamed chunk")
+
+
+def test_remote_chunk_bytes_are_viewed_in_place_unless_a_column_would_be_misaligned(
+    tmp_path,
+):
+    import pyarrow as pa
+
+    from shardcache.remote import _columns
+
+    for dtype, copied in ((np.uint8, False), (np.int64, True)):
+        path = tmp_path / f"{np.dtype(dtype).name}.chunk"
+        write_chunk_file(path, {"_": np.arange(24, dtype=dtype).reshape(4, 6)})
+        raw = bytearray(1) + bytearray(path.read_bytes())  # received at offset 1
+        buf = pa.py_buffer(raw).slice(1)
+        columns = _columns(buf)
+        assert columns["_"].tolist() == np.arange(24).reshape(4, 6).tolist()
+        assert columns["_"].flags.aligned
+        assert np.shares_memory(columns["_"], np.frombuffer(raw, np.uint8)) != copied
