@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -79,6 +80,13 @@ def _as_tuple(sample: Any) -> Any:
     if not _is_tuple_sample(sample):
         return sample
     return tuple(sample[f"({i})"] for i in range(len(sample)))
+
+
+def _ray_inherited_by_fork() -> bool:
+    """In a process that is not the one that built the dataset: is Ray's
+    connection inherited (fork) rather than absent (spawn)?"""
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(ray.is_initialized())
 
 
 def _protocol(urls: str | Sequence[str], storage_options: dict[str, Any]) -> str:
@@ -425,6 +433,13 @@ class DistributedCachedDataset(Dataset[Any]):
             return self._reader
         if self._pid != os.getpid():
             self._client = open_client(self.config)
+            if isinstance(self._client, CacheClient) and _ray_inherited_by_fork():
+                raise ConfigError(
+                    "this DataLoader worker was forked from a process connected to "
+                    "Ray, and Ray cannot be used after fork (its calls would hang). "
+                    "Pass multiprocessing_context='spawn' (or 'forkserver') to the "
+                    "DataLoader, or iterate ds.loader(batch_size) in the rank."
+                )
             self._reset_process_state()
         self._client.register(self._store_spec(), self.preprocess, self.target)
         if self.manifest is None:

@@ -204,6 +204,24 @@ def test_dataset_num_workers_attach_lazily(
     assert got == sorted(payload.values())
 
 
+def test_dataset_forked_dataloader_worker_is_told_to_use_spawn(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
+    _objects(s3fs_client, bucket, count=4)
+    ds = _ds(s3, bucket, redis_url, namespace)
+    loader = DataLoader(
+        ds,
+        batch_size=4,
+        sampler=ds.sampler,
+        collate_fn=list,
+        num_workers=1,
+        multiprocessing_context="fork",
+    )
+    # A forked worker would inherit Ray's connection and hang on its first call.
+    with pytest.raises(ConfigError, match="multiprocessing_context='spawn'"):
+        next(iter(loader))
+
+
 @pytest.mark.parametrize(
     "kw,match",
     [
