@@ -75,7 +75,7 @@ def _pod(
         steps += [f"mount --bind {hostpath} /mnt", "mount -o remount,bind,ro /mnt"]
     if results is not None:
         steps.append(f"mount --bind {results} /srv")
-    steps += ["mount -t tmpfs tmpfs /tmp", 'exec "$0" "$@"']
+    steps += [*_private_tmp(), 'exec "$0" "$@"']
     flags = ["-m", "--propagation", "private"] + (["-n"] if own_net else [])
     return (
         ["unshare", *flags, "sh", "-c", " && ".join(steps)],
@@ -86,6 +86,24 @@ def _pod(
         ],
         env,
     )
+
+
+def _private_tmp() -> list[str]:
+    """Shell steps that give the namespace an empty /tmp (no Ray session
+    directory of the host) while keeping this checkout, with its .venv,
+    visible when it lives under /tmp itself (CI clones there): it is bound
+    aside on a private tmpfs first, then back at its own path."""
+    repo = str(HERE.parents[1])
+    if not (repo + "/").startswith("/tmp/"):
+        return ["mount -t tmpfs tmpfs /tmp"]
+    return [
+        "mount -t tmpfs tmpfs /var/tmp",
+        "mkdir /var/tmp/checkout",
+        f"mount --bind {repo} /var/tmp/checkout",
+        "mount -t tmpfs tmpfs /tmp",
+        f"mkdir -p {repo}",
+        f"mount --bind /var/tmp/checkout {repo}",
+    ]
 
 
 def _run(cmd, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -133,7 +151,7 @@ def worker(tmp_path, redis_url, s3):
     wrapper = [
         "unshare", "-m", "--propagation", "private", "sh", "-c",
         f"mount --bind {hostpath} /mnt && mount -t tmpfs -o size=512m tmpfs /dev/shm "
-        f"&& cp {cert} {key} /dev/shm/ && mount -t tmpfs tmpfs /tmp "
+        f"&& cp {cert} {key} /dev/shm/ && " + " && ".join(_private_tmp()) + ' '
         '&& exec "$0" "$@"',
     ]  # fmt: skip
     env["SHARDCACHE_FLIGHT_TLS_CERT"] = "/dev/shm/flight.crt"
