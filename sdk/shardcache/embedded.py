@@ -339,6 +339,9 @@ def _processes_naming(path: str) -> list[int]:
     return found
 
 
+KILL_WAIT_S = 5.0  # how long a SIGKILLed process may take to disappear
+
+
 def _terminate(pids: list[int], grace_s: float = STOP_GRACE_S) -> list[int]:
     """SIGTERM ``pids``, then SIGKILL those still alive after ``grace_s``."""
     for pid in pids:
@@ -352,6 +355,13 @@ def _terminate(pids: list[int], grace_s: float = STOP_GRACE_S) -> list[int]:
     for pid in alive:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    # SIGKILL is delivered asynchronously: return once they are really gone,
+    # so a caller that checks (or restarts) right after sees no survivor.
+    deadline = time.monotonic() + KILL_WAIT_S
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if Path(f"/proc/{p}").exists() and not _zombie(p)]
+        if alive:
+            time.sleep(0.05)
     return pids
 
 

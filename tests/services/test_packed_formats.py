@@ -197,7 +197,8 @@ def test_s3_tar_and_parquet_listing_reads_metadata_and_each_unit_once(
     assert [bytes(s["cls"]) for s in samples] == [str(i).encode() for i in range(40)]
     # A tar has no index: the listing reads each shard once, then each unit
     # is one ranged read of its own span (member data, never the end blocks).
-    assert listed_bytes == size
+    # (a readahead past the end of a shard can add a short error body)
+    assert size <= listed_bytes <= size + 1024
     assert s3.total_get_bytes - listed_bytes <= size
     assert sum(s3.gets.values()) == 2 + len(tar.layout)
 
