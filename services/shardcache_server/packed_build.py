@@ -78,7 +78,6 @@ def build_unit(
     errors: dict[int, tuple[str, str]] = {}
     columns: dict[str, np.ndarray] | None = None
     samples: list[Any] = [None] * n
-    keys = [manifest.url(i) for i in range(start, end)] if target else []
     try:
         raw: list[tuple[str, Any]] | None = None
         if manifest.format == DATASET_FORMAT:
@@ -113,8 +112,9 @@ def build_unit(
         columns[FAILED] = np.zeros(n, dtype=bool)
         columns[ERRORS] = np.frombuffer(b"{}", dtype=np.uint8).copy()
     else:
-        targets = [target(k) for k in keys] if target else None
+        # One name per sample, for messages and for ``target``: computed once.
         names = [manifest.url(i) for i in range(start, end)]
+        targets = [target(k) for k in names] if target else None
         columns = build_chunk(samples, errors, names=names, targets=targets)
     nbytes = manifest.chunk_source_bytes(chunk)
     report = {

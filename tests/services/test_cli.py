@@ -99,57 +99,31 @@ def test_cli_selftest_passes_against_running_cache(ray_cluster, redis_url, names
     assert "read back as hits" in res.output
 
 
-def test_demo_main_job_runs_end_to_end(tmp_path):
+def _demo(*extra: str) -> str:
+    """Run ``shardcache demo`` on 64 images for 2 epochs; returns its stdout."""
     import subprocess
     import sys
 
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "shardcache_server.cli",
-            "demo",
-            "--images",
-            "64",
-            "--epochs",
-            "2",
-            "--batch-size",
-            "16",
-        ],
+        [sys.executable, "-m", "shardcache_server.cli", "demo", *extra,
+         "--images", "64", "--epochs", "2", "--batch-size", "16"],
         capture_output=True,
         text=True,
         timeout=300,
-    )
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "zero remote reads" in done.stdout
-    assert "S3 GETs 64" in done.stdout and "S3 GETs 0" in done.stdout
+    return done.stdout
+
+
+def test_demo_main_job_runs_end_to_end(tmp_path):
+    out = _demo()
+    assert "zero remote reads" in out
+    assert "S3 GETs 64" in out and "S3 GETs 0" in out
 
 
 def test_demo_over_webdataset_tar_shards_reads_each_unit_once_then_never(tmp_path):
-    import subprocess
-    import sys
-
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "shardcache_server.cli",
-            "demo",
-            "--format",
-            "tar",
-            "--images",
-            "64",
-            "--epochs",
-            "2",
-            "--batch-size",
-            "16",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "as WebDataset tar shards" in done.stdout
+    out = _demo("--format", "tar")
+    assert "as WebDataset tar shards" in out
     # One shard of one unit: read by one build in epoch 1 (its listing read
     # came before, at construction); the warm epoch reads nothing.
-    assert "S3 GETs 1" in done.stdout and "S3 GETs 0" in done.stdout
+    assert "S3 GETs 1" in out and "S3 GETs 0" in out
