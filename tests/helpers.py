@@ -33,6 +33,14 @@ class Reader:
     def node(self):
         return ray.get_runtime_context().get_node_id()
 
+    def refresh(self, spec, token):
+        """A rank's ``refresh()``: a new listing; returns (chunk items, digest)."""
+        from shardcache.manifest import Manifest
+
+        ref, digest = self.client.manifest(spec, token)
+        manifest = Manifest.from_object(ray.get(ref))
+        return manifest.chunk_items(range(len(manifest.layout))), digest
+
 
 def chunk_bytes(columns) -> bytes:
     """Every sample of a chunk, concatenated (tests store raw bytes)."""

@@ -223,8 +223,11 @@ return n
 
 # Drop entries whose recorded ETag differs from the listing's, atomically, so
 # ranks refreshing at once cannot delete an entry another store just recorded
-# for the new version.
-# KEYS[1] entries hash, KEYS[2] owners hash; ARGV: path1, etag1, path2, etag2, ...
+# for the new version. The owner's claim stays: that store still holds the old
+# chunk, whose unchanged rows it copies into the rebuilt one, so the rebuild
+# must happen there (a rank on another node forwards to it). Dropping the
+# claim let the first asker anywhere rebuild the whole chunk from the source.
+# KEYS[1] entries hash; ARGV: path1, etag1, path2, etag2, ...
 # Returns the paths dropped.
 _DROP_CHANGED = """
 local changed = {}
@@ -234,7 +237,6 @@ for i = 1, #ARGV, 2 do
     local ok, entry = pcall(cjson.decode, raw)
     if not ok or type(entry) ~= 'table' or tostring(entry['etag']) ~= ARGV[i + 1] then
       redis.call('HDEL', KEYS[1], ARGV[i])
-      redis.call('HDEL', KEYS[2], ARGV[i])
       changed[#changed + 1] = ARGV[i]
     end
   end
@@ -422,17 +424,17 @@ class RedisIndex:
     ) -> list[str]:
         """Drop entries whose recorded ETag differs from ``current`` (path -> etag).
 
-        Returns the paths dropped. Stores are told the new ETags, so a store
+        Claims stay with their owners (see ``_DROP_CHANGED``). Returns the
+        paths dropped. Stores are told the new ETags, so a store
         evicts only values of the old version, never one it fetched after.
         """
         ekey = keys.entries_key(self.ns, name, generation)
-        okey = keys.owners_key(self.ns, name, generation)
         items = list(current.items())
         changed: list[str] = []
         with self.errors():
             for i in range(0, len(items), _CHUNK):
                 argv = [x for pair in items[i : i + _CHUNK] for x in pair]
-                changed += self._drop_changed(keys=[ekey, okey], args=argv)
+                changed += self._drop_changed(keys=[ekey], args=argv)
         if changed:
             pipe = self.client.pipeline(transaction=True)
             pipe.publish(

@@ -45,12 +45,16 @@ def test_index_invalidate_bumps_generation_atomically_and_drops_entries(index):
     assert index.invalidate("unknown") == 0
 
 
-def test_index_invalidate_changed_drops_exactly_changed_keys(index):
+def test_index_invalidate_changed_drops_exactly_changed_keys_and_keeps_owners(index):
     index.register("ds", "s3://b/", "fp", 3, 3)
     index.record_entries("ds", 1, {u: {"etag": "old"} for u in ("a", "b", "c")})
+    index.claim_owners("ds", 1, ["a", "b", "c"], "node-a/1")
     changed = index.invalidate_changed("ds", 1, {"a": "old", "b": "new", "c": "old"})
     assert changed == ["b"]
     assert sorted(index.entries("ds", 1)) == ["a", "c"]
+    # The owner keeps "b": its old chunk is the base of the partial rebuild,
+    # so another node asking for "b" is sent there rather than claiming it.
+    assert index.claim_owners("ds", 1, ["b"], "node-b/1") == ["node-a/1"]
 
 
 def test_index_refresh_racing_a_refetch_keeps_the_new_version(index):

@@ -67,6 +67,29 @@ def test_pull_once_64_concurrent_readers_on_2_nodes_make_exactly_100_gets(
     assert {o.split("/")[0] for o in owners.values()} <= set(node_ids)
 
 
+def test_changed_member_asked_from_another_node_is_rebuilt_at_the_owner(
+    ray_cluster, node_ids, s3, s3fs_client, bucket, redis_url, namespace
+):
+    # One chunk of 10 objects, built and owned by node 0's store.
+    index, spec, items = _dataset(s3, s3fs_client, bucket, redis_url, namespace, 10, 10)
+    readers = _readers(redis_url, namespace, spec)
+    s3.reset_counts()
+    ray.get(readers[0].read.remote("ds", 1, items, spec["manifest"]))
+    assert s3.total_gets == 10
+    s3fs_client.pipe({f"{bucket}/d/004.bin": b"changed!" * 10})
+    new_items, digest = ray.get(readers[1].refresh.remote(spec, "job/1"))
+    assert new_items[0][1] != items[0][1]
+    # A rank on node 1 asks first: it is sent to the owner, which still holds
+    # the old chunk, and only the changed object is read again.
+    statuses, values = ray.get(readers[1].read.remote("ds", 1, new_items, digest))
+    assert statuses == ["fetched"]
+    assert s3.total_gets == 11
+    objects = [f"object-{i}".encode() * 10 for i in range(10)]
+    objects[4] = b"changed!" * 10
+    assert values == [b"".join(objects)]
+    assert index.owners("ds", 1)["c0"].split("/")[0] == node_ids[0]
+
+
 def test_second_job_in_new_process_reuses_cache_with_zero_reads(
     ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
 ):
