@@ -26,7 +26,14 @@ import numpy as np
 
 from shardcache.chunks import ChunkLayout
 
-__all__ = ["FORMAT_EXTENSIONS", "FileUnits", "PackedManifest", "format_of", "unit_hash"]
+__all__ = [
+    "FORMAT_EXTENSIONS",
+    "FileUnits",
+    "PackedManifest",
+    "format_of",
+    "unit_hash",
+    "unit_version",
+]
 
 # The file extensions that name a packed format when ``format=`` is not given
 # (the stores' format modules read these files; the SDK only names them).
@@ -64,6 +71,19 @@ def unit_hash(url: str, etag: str, lo: int, hi: int, options: str) -> int:
     or the format options (e.g. the Parquet columns read)."""
     text = f"{url}\0{etag}\0{lo}\0{hi}\0{options}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
+def _options_text(options: dict[str, Any]) -> str:
+    return json.dumps(options, sort_keys=True, default=str)
+
+
+def unit_version(url: str, etag: str, lo: int, hi: int, options: dict[str, Any]) -> str:
+    """A unit's version as the stores write it (the chunk version of its items).
+
+    >>> len(unit_version("s3://b/x.tar", "e1", 0, 1024, {}))
+    16
+    """
+    return f"{unit_hash(url, etag, lo, hi, _options_text(options)):016x}"
 
 
 @dataclass
@@ -122,7 +142,7 @@ class PackedManifest:
         metas: Sequence[bytes] = (),
     ) -> PackedManifest:
         """Lay out what the format found in each file (in the dataset's order)."""
-        option_text = json.dumps(options, sort_keys=True, default=str)
+        option_text = _options_text(options)
         names, name_offsets = _blob([f.url.encode() for f in files])
         etags, etag_offsets = _blob([f.etag.encode() for f in files])
         unit_file = np.concatenate(

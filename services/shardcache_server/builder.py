@@ -59,6 +59,8 @@ class BuildRequest:
     base: Any = None  # the earlier chunk's columns (or its ObjectRef, under Ray)
     changed: list[int] = field(default_factory=list)
     source: Any = None  # a user's map-style Dataset (packed format "dataset")
+    # The unit's bytes the listing kept (tar; spans.py), or their ObjectRef.
+    span: Any = None
 
 
 # One Fetcher and one event loop per worker process, reused by every build:
@@ -186,6 +188,7 @@ def build_members(
             req.target,
             req.storage_options,
             req.source,
+            req.span,
         )
     members = manifest.members(req.lo, req.hi)
     reuse = (
@@ -254,6 +257,12 @@ def run_build(
         req.base = ray.get(req.base)
     if not isinstance(req.manifest, dict):
         req.manifest = ray.get(req.manifest)
+    if req.span is not None and not isinstance(req.span, np.ndarray):
+        try:
+            req.span = ray.get(req.span)
+        except ray.exceptions.ObjectLostError:
+            # Its owner (the store that listed) died with it: read the source.
+            req.span = None
     return build_members(ServiceSettings(**settings_dump), req)
 
 

@@ -274,14 +274,13 @@ class S3Emulator:
         return middleware
 
     def _counted(self, body: Iterable[bytes], path: str) -> Iterator[bytes]:
-        sent = 0
-        try:
-            for part in body:
-                sent += len(part)
-                yield part
-        finally:
+        # Counted as each part is handed to the server, before it is sent: a
+        # client holding the whole body always finds it counted (a count
+        # made when the body ends races the client's next look at it).
+        for part in body:
             with self._lock:
-                self.get_bytes[path] += sent
+                self.get_bytes[path] += len(part)
+            yield part
 
     def _truncated(
         self,

@@ -7,25 +7,36 @@ the same ObjectRef, and ranks map it zero-copy. A refresh carries a token
 (job, refresh count, the digest the rank had): every rank of a job calling
 ``refresh()`` together sends the same token, and one listing answers them
 all; a new token lists again.
+
+A listing that reads whole units (tar) also yields their bytes, which the
+store holds for the builds of those units (``spans.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
+import queue
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
 from shardcache.manifest import Manifest
+from shardcache.packed_manifest import PackedManifest
 from shardcache.source import list_source
 from shardcache_server.packed_listing import list_packed
+from shardcache_server.spans import HeldSpans, SpanKeeper
 
 __all__ = [
     "REFRESH_TOKEN_TTL_S",
+    "Listed",
     "Listings",
     "RayLister",
     "list_in_thread",
@@ -35,16 +46,33 @@ __all__ = [
 REFRESH_TOKEN_TTL_S = 60.0  # a refresh token answered this recently is not re-listed
 MANIFESTS_KEPT = 4  # digests per dataset a store keeps for ranks not yet refreshed
 
+log = logging.getLogger(__name__)
 
-def list_with_layout(spec: dict[str, Any], previous: Manifest | None) -> Manifest:
+
+@dataclass
+class Listed:
+    """What one listing produced: the manifest's reference and digest, the
+    units' bytes it kept (``version -> (reference, nbytes)``) and the
+    keeper's report (kept / over budget, spans.py)."""
+
+    ref: Any
+    digest: str
+    spans: dict[str, tuple[Any, int]] = field(default_factory=dict)
+    report: dict[str, int] = field(default_factory=dict)
+
+
+def list_with_layout(
+    spec: dict[str, Any], previous: Manifest | None, keeper: SpanKeeper | None = None
+) -> Manifest:
     """List ``spec["urls"]`` and cut it into chunks.
 
     When the URLs are the ones ``previous`` listed, its chunks are kept, so a
     changed object changes only its own chunk's version (a new size must
-    not move every later chunk boundary).
+    not move every later chunk boundary). ``keeper`` receives the units'
+    bytes a packed listing reads whole (tar).
     """
     if spec.get("format"):
-        return list_packed(spec, previous)  # type: ignore[return-value]
+        return list_packed(spec, previous, keeper)  # type: ignore[return-value]
     manifest = list_source(spec["urls"], spec.get("storage_options") or {})
     if (
         isinstance(previous, Manifest)
@@ -64,58 +92,103 @@ def list_with_layout(spec: dict[str, Any], previous: Manifest | None) -> Manifes
     return manifest
 
 
-Lister = Callable[[dict[str, Any], Any], Awaitable[tuple[Any, str]]]
+Lister = Callable[[dict[str, Any], Any, int], Awaitable[Listed]]
+
+_DONE = object()  # the listing thread finished (its result or error is in the job)
 
 
-def _list_task(spec: dict[str, Any], previous: Any) -> tuple[dict[str, Any], str]:
-    """The listing as a task: its per-object Python objects live and die in a
-    worker process, and the arrays land in the object store as its return."""
+def _list_task(spec: dict[str, Any], previous: Any, room_bytes: int) -> Iterator[Any]:
+    """The listing as a streaming task: yields each kept unit's bytes as it
+    is read, then the manifest object, then ``{digest, versions, report}``.
+
+    Its per-object Python objects live and die in a worker process. What a
+    generator task yields is owned by the caller (the store), so the spans
+    outlive this worker; a ``ray.put`` here would die with it.
+    """
     # Ray resolves a top-level ObjectRef argument: ``previous`` arrives as
     # the mapped manifest object (zero-copy), or None.
     prev = None if previous is None else Manifest.from_object(previous)
-    listed = list_with_layout(spec, prev)
-    return listed.to_object(), listed.digest
+    found: queue.Queue[Any] = queue.Queue()
+    keeper = SpanKeeper(
+        room_bytes,
+        lambda version, data: found.put((version, data)),
+        dict(spec.get("format_options") or {}),
+    )
+    versions, sizes = [], []
+    with ThreadPoolExecutor(1, thread_name_prefix="listing") as pool:
+        job = pool.submit(list_with_layout, spec, prev, keeper)
+        job.add_done_callback(lambda _: found.put(_DONE))
+        while (item := found.get()) is not _DONE:
+            versions.append(item[0])
+            sizes.append(len(item[1]))
+            yield item[1]
+        listed = job.result()  # the listing's own error, if it failed
+    yield listed.to_object()
+    yield {
+        "digest": listed.digest,
+        "versions": versions,
+        "sizes": sizes,
+        "report": keeper.report(),
+    }
 
 
 class RayLister:
-    """Lists in a Ray task pinned to the store's node; the manifest it returns
-    is owned by the store. The store's own heap never holds a per-object
-    Python object (1M objects listed in-process left ~200 B each of heap)."""
+    """Lists in a Ray task pinned to the store's node; the manifest and the
+    spans it yields are owned by the store. The store's own heap never holds
+    a per-object Python object (1M objects listed in-process left ~200 B
+    each of heap)."""
 
     def __init__(self, node_id: str):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self._task = ray.remote(_list_task).options(
-            num_returns=2,
+            num_returns="streaming",
             num_cpus=0,
             max_retries=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
 
-    async def __call__(self, spec: dict[str, Any], previous: Any) -> tuple[Any, str]:
+    async def __call__(
+        self, spec: dict[str, Any], previous: Any, room_bytes: int
+    ) -> Listed:
         import ray
 
         from shardcache.errors import ShardCacheError
 
-        ref, digest_ref = self._task.remote(spec, previous)
+        refs = [ref async for ref in self._task.remote(spec, previous, room_bytes)]
         try:
-            return ref, await digest_ref
+            tail = await refs[-1]
         except ray.exceptions.RayTaskError as exc:
             # A listing that found nothing or was refused is our own error
             # (SourceNotFound, EmptyDatasetError...), not a Ray one.
             if isinstance(exc.cause, ShardCacheError):
                 raise exc.cause from None
             raise
+        spans = {
+            v: (ref, n)
+            for v, ref, n in zip(tail["versions"], refs, tail["sizes"], strict=False)
+        }
+        return Listed(refs[-2], tail["digest"], spans, tail["report"])
 
 
 def list_in_thread(put: Callable[[Any], Any]) -> Lister:
     """A lister for tests without Ray: list in a thread, ``put`` the arrays."""
 
-    async def run(spec: dict[str, Any], previous: Any) -> tuple[Any, str]:
+    async def run(spec: dict[str, Any], previous: Any, room_bytes: int) -> Listed:
         prev = None if previous is None else Manifest.from_object(previous)
-        listed = await asyncio.to_thread(list_with_layout, spec, prev)
-        return put(listed.to_object()), listed.digest
+        spans: dict[str, tuple[Any, int]] = {}
+        lock = threading.Lock()
+
+        def keep(version: str, data: Any) -> None:
+            ref = put(data)
+            with lock:
+                spans[version] = (ref, len(data))
+
+        options = dict(spec.get("format_options") or {})
+        keeper = SpanKeeper(room_bytes, keep, options)
+        listed = await asyncio.to_thread(list_with_layout, spec, prev, keeper)
+        return Listed(put(listed.to_object()), listed.digest, spans, keeper.report())
 
     return run
 
@@ -125,14 +198,23 @@ class Listings:
 
     Args:
         lister: lists a spec (given the previous manifest's reference, to keep
-            its chunks) and returns ``(reference, digest)``.
+            its chunks, and the room left for spans) and returns a
+            :class:`Listed`.
         get: maps a reference back to the object, or returns an awaitable of
             it (under Ray the ObjectRef itself: awaiting it never blocks the
             store's event loop while a large manifest moves between nodes).
+        span_budget_bytes: the most bytes of units' spans held at once
+            (``spans``). Defaults to ``0``: none.
     """
 
-    def __init__(self, get: Callable[[Any], Any], lister: Lister):
+    def __init__(
+        self, get: Callable[[Any], Any], lister: Lister, span_budget_bytes: int = 0
+    ):
         self._get, self._lister = get, lister
+        self.spans = HeldSpans(span_budget_bytes)
+        # The latest listing's span report per dataset, when units were over
+        # budget (the store logs it as an event).
+        self.over_budget: dict[str, dict[str, int]] = {}
         self._held: dict[str, dict[str, tuple[Any, Manifest]]] = {}
         self._published: dict[str, str] = {}  # the digest of my latest listing
         self._tokens: dict[str, dict[str, tuple[float, str]]] = {}  # -> (start, digest)
@@ -187,8 +269,24 @@ class Listings:
         self._inflight[name] = fut
         started = time.time()
         try:
-            ref, digest = await self._lister(spec, self._latest_ref(name))
+            listed = await self._lister(spec, self._latest_ref(name), self.spans.room())
+            ref, digest = listed.ref, listed.digest
             manifest = await self.adopt(name, digest, ref)
+            self.spans.hold(
+                name,
+                listed.spans,
+                manifest if isinstance(manifest, PackedManifest) else None,
+            )
+            if listed.report.get("over"):
+                self.over_budget[name] = listed.report
+                log.warning(
+                    "dataset %s: %d units (%d bytes) over the span budget of %d "
+                    "bytes; their builds read the source again",
+                    name,
+                    listed.report["over"],
+                    listed.report["over_bytes"],
+                    self.spans.budget_bytes,
+                )
             self._published[name] = digest
             tokens = self._tokens.setdefault(name, {})
             tokens[token] = (started, digest)

@@ -45,7 +45,7 @@ def _with_key(fn: Callable[..., Any]) -> Callable[[Any, str], Any]:
 
 
 def _unit(
-    manifest: PackedManifest, chunk: int, storage_options: dict[str, Any]
+    manifest: PackedManifest, chunk: int, storage_options: dict[str, Any], span: Any
 ) -> UnitRequest:
     url, etag, lo, hi = manifest.unit(chunk)
     fs, path = open_remote(url, storage_options)
@@ -58,6 +58,7 @@ def _unit(
         manifest.keys(start, end),
         manifest.file_meta(file_index),
         manifest.options,
+        span,
     )
     return unit
 
@@ -69,9 +70,14 @@ def build_unit(
     target: Callable[[str], Any] | None,
     storage_options: dict[str, Any],
     source: Any = None,
+    span: Any = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Read and build chunk ``chunk``; returns ``(columns, report)`` like
-    :func:`~shardcache_server.builder.build_members`."""
+    :func:`~shardcache_server.builder.build_members`.
+
+    ``span`` is the unit's bytes when the listing kept them (tar, spans.py):
+    the build then reads nothing from the source and reports no read.
+    """
     started = time.perf_counter()
     start, end = (int(x) for x in manifest.layout.bounds(chunk))
     n = end - start
@@ -84,7 +90,7 @@ def build_unit(
             url, _, lo, hi = manifest.unit(chunk)
             raw = [(f"{url}#{i}", source[i]) for i in range(lo, hi)]
         else:
-            unit = _unit(manifest, chunk, storage_options)
+            unit = _unit(manifest, chunk, storage_options, span)
             fmt = get_format(manifest.format)
             if preprocess is as_arrays and target is None and fmt.stacks_columns(unit):
                 columns = fmt.read_columns(unit)
@@ -116,10 +122,12 @@ def build_unit(
         names = [manifest.url(i) for i in range(start, end)]
         targets = [target(k) for k in names] if target else None
         columns = build_chunk(samples, errors, names=names, targets=targets)
+    # A unit whose bytes came with the listing was not read here.
+    is_read = not (errors and len(errors) == n) and span is None
     nbytes = manifest.chunk_source_bytes(chunk)
     report = {
-        "reads": 0 if errors and len(errors) == n else 1,
-        "bytes_read": 0 if errors and len(errors) == n else nbytes,
+        "reads": int(is_read),
+        "bytes_read": nbytes if is_read else 0,
         "errors": {str(k): list(v) for k, v in errors.items()},
         "build_ms": int((time.perf_counter() - started) * 1000),
         "nbytes": int(sum(v.nbytes for v in columns.values())),

@@ -17,6 +17,7 @@ from shardcache.errors import EmptyDatasetError
 from shardcache.packed_manifest import FileUnits, PackedManifest
 from shardcache.source import list_source, open_remote
 from shardcache_server.formats import SourceFile, get_format
+from shardcache_server.spans import SpanKeeper
 
 __all__ = ["DATASET_FORMAT", "list_packed"]
 
@@ -66,8 +67,13 @@ def _dataset_units(spec: dict[str, Any], chunk_samples: int) -> list[FileUnits]:
     ]
 
 
-def list_packed(spec: dict[str, Any], previous: Any) -> PackedManifest:
+def list_packed(
+    spec: dict[str, Any], previous: Any, keeper: SpanKeeper | None = None
+) -> PackedManifest:
     """List ``spec`` (with ``format``, ``format_options``) into a PackedManifest.
+
+    With ``keeper``, a format that reads whole units while listing (tar)
+    hands their bytes to it, so builds need not read them again (spans.py).
 
     Raises:
         ConfigError: unknown format.
@@ -101,8 +107,12 @@ def list_packed(spec: dict[str, Any], previous: Any) -> PackedManifest:
         if old is not None and old[0].etag == etag:
             return old
         _, path = open_remote(url, storage_options)
+        keep = keeper.for_file(url, etag) if keeper is not None else None
         return fmt.list_file(
-            SourceFile(fs, path, url, etag, size), options, chunk_samples, chunk_bytes
+            SourceFile(fs, path, url, etag, size, keep),
+            options,
+            chunk_samples,
+            chunk_bytes,
         )
 
     with ThreadPoolExecutor(min(_LISTING_THREADS, len(files))) as pool:

@@ -36,12 +36,15 @@ from shardcache.errors import (
 )
 from shardcache.index import RedisIndex
 from shardcache.manifest import Manifest
+from shardcache.packed_manifest import PackedManifest
 from shardcache_server.builder import BuildRequest, RayChunkBuilder
 from shardcache_server.disk_tier import DiskTier
 from shardcache_server.eviction import SamplerOrder, make_policy
-from shardcache_server.listing import Listings, RayLister, list_in_thread
+from shardcache_server.formats import FORMATS
+from shardcache_server.listing import Listed, Listings, RayLister, list_in_thread
 from shardcache_server.retired import RetiredGenerations
 from shardcache_server.settings import ServiceSettings
+from shardcache_server.spans import SPAN_BUDGET_SHARE
 from shardcache_server.stats import StatsBuffer
 
 __all__ = ["CacheShard", "Item", "Result", "ray_namespace", "start_shard", "store_name"]
@@ -141,7 +144,11 @@ class CacheShard:
         self._listings = Listings(
             self._get,
             list_in_thread(self._put) if build is not None else self._ray_lister,
+            int(self.settings.cache_bytes * SPAN_BUDGET_SHARE),
         )
+        # The node whose store listed each dataset: it holds the units'
+        # bytes that listing kept (tar), which builds here ask it for.
+        self._listed_on: dict[str, str] = {}
         self._table: dict[tuple[str, str], _Cached] = {}
         self._datasets: dict[str, _Dataset] = {}
         self._generation: dict[str, int] = defaultdict(int)
@@ -156,8 +163,10 @@ class CacheShard:
         self._stop = threading.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
-    async def _ray_lister(self, spec: dict[str, Any], previous: Any) -> tuple[Any, str]:
-        return await RayLister(self.node_id)(spec, previous)
+    async def _ray_lister(
+        self, spec: dict[str, Any], previous: Any, room_bytes: int
+    ) -> Listed:
+        return await RayLister(self.node_id)(spec, previous, room_bytes)
 
     # -- lifecycle -------------------------------------------------------------
     def _ensure_started(self) -> None:
@@ -274,6 +283,12 @@ class CacheShard:
         await self._publish_listing(name, digest, manifest)
         return [ref, digest]
 
+    async def take_span(self, dataset: str, version: str) -> list[Any]:
+        """``[reference]`` of the bytes this store's listing kept for unit
+        ``version`` (no longer held here), or ``[]``: a peer's build asks."""
+        ref = self._listings.spans.take(dataset, version)
+        return [] if ref is None else [ref]
+
     async def manifest_of(self, dataset: str, digest: str) -> list[Any]:
         """``[reference]`` of a manifest this store holds, or ``[]`` (peers ask)."""
         found = self._listings.held(dataset, digest)
@@ -292,6 +307,7 @@ class CacheShard:
                 raise
             return None
         await self._listings.adopt(spec["name"], digest, ref)
+        self._listed_on[spec["name"]] = holder.split("/", 1)[0]
         return [ref, digest]
 
     async def _manifest_by_digest(
@@ -307,6 +323,7 @@ class CacheShard:
         if handle is not None and holder != self.me:
             refs = await handle.manifest_of.remote(dataset, digest)
             if refs:
+                self._listed_on[dataset] = holder.split("/", 1)[0]
                 return await self._listings.adopt(dataset, digest, refs[0])
         # Nobody holds that listing any more (holder restarted): list again;
         # a different result means the caller must re-read it.
@@ -324,6 +341,10 @@ class CacheShard:
     ) -> None:
         """Record the new listing and drop index entries of chunks that changed."""
         assert self._index is not None
+        self._listed_on[name] = self.node_id
+        over = self._listings.over_budget.pop(name, None)
+        if over is not None:
+            self._event("spans_over_budget", name, **over)
         layout = manifest.layout
         try:
             await asyncio.to_thread(
@@ -491,7 +512,7 @@ class CacheShard:
             if ref is not None:
                 self._stats.add(key, "hits")
                 return ("hit", ref)
-            ref, report = await self._build_chunk(ds, chunk, None)
+            ref, report = await self._build_chunk(ds, chunk, version, None)
             self._count_build(key, report)
             self._stats.add(key, "misses")
             room = (
@@ -630,7 +651,7 @@ class CacheShard:
             return
         base = self._table.get((ds.name, chunk))
         try:
-            ref, report = await self._build_chunk(ds, chunk, base)
+            ref, report = await self._build_chunk(ds, chunk, version, base)
         except ShardCacheError as exc:  # the whole chunk failed (e.g. mixed dtypes)
             self._stats.add((ds.name, generation), "errors")
             await self._forget_claim(ds.name, generation, [chunk])
@@ -671,9 +692,10 @@ class CacheShard:
         self._settle(key, ("fetched" if admitted else "uncached", ref))
 
     async def _build_chunk(
-        self, ds: _Dataset, chunk: str, base: _Cached | None
+        self, ds: _Dataset, chunk: str, version: str, base: _Cached | None
     ) -> tuple[Any, dict[str, Any]]:
-        """Build one chunk, re-reading only the members that changed since ``base``."""
+        """Build one chunk, re-reading only the members that changed since
+        ``base``; a packed unit whose bytes the listing kept is not read."""
         assert self._build is not None
         index = _chunk_index(chunk)
         layout = ds.manifest.layout
@@ -703,8 +725,32 @@ class CacheShard:
             base_ref,
             changed,
             ds.source,
+            await self._take_span(ds, version),
         )
         return await self._build(req)
+
+    async def _take_span(self, ds: _Dataset, version: str) -> Any:
+        """The unit's bytes the listing kept (a reference), or None: here if
+        this store listed, else from the store that did (one call)."""
+        manifest = ds.manifest
+        if not isinstance(manifest, PackedManifest):
+            return None
+        fmt = FORMATS.get(manifest.format)
+        if fmt is None or not fmt.keeps_spans:
+            return None
+        node = self._listed_on.get(ds.name, self.node_id)
+        if node == self.node_id:
+            return self._listings.spans.take(ds.name, version)
+        handle = self._peer(node)
+        if handle is None:
+            return None
+        try:
+            found = await handle.take_span.remote(ds.name, version)
+        except Exception as exc:  # the listing store is gone: read the source
+            if type(exc).__module__.split(".")[0] != "ray":
+                raise
+            return None
+        return found[0] if found else None
 
     def _count_build(self, key: tuple[str, int], report: dict[str, Any]) -> None:
         self._stats.add(key, "remote_reads", report["reads"])
@@ -925,6 +971,8 @@ class CacheShard:
             # so they are never served, and their unchanged members are
             # copied into the rebuilt chunk instead of being read again.
             return
+        if generation > self._generation[dataset]:
+            self._listings.spans.drop(dataset)  # invalidated: read the source again
         self._advance(dataset, generation)
 
     def _listen_forever(self) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import ray
 import ray.cloudpickle
-from packed_files import parquet_bytes, tar_bytes
+from packed_files import parquet_bytes, tar_bytes, write_npy
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.slow
@@ -59,40 +59,52 @@ def _free_port() -> int:
 def _summary(sample):
     if isinstance(sample, tuple):  # from_dataset: (array, label)
         return int(sample[1]), int(sample[0][0])
+    if not isinstance(sample, dict):  # .npy: a row of 3 int32
+        return int(sample[0]) // 3, int(sample[2])
     if "cls" in sample:  # tar: {"bin", "cls"}
         return int(bytes(sample["cls"].numpy())), int(sample["bin"][0])
     return int(sample["id"]), float(sample["x"])  # parquet row
 
 
-def read_rank(rank, world, port, redis_url, namespace, make, refresh_after=None):
+def _read(ds, refresh_after):
     import torch.distributed as dist
     from torch.utils.data import BatchSampler
+
+    epochs = []
+    for epoch in range(EPOCHS):
+        if refresh_after is not None and epoch == refresh_after:
+            dist.barrier()  # the test rewrote a shard before this epoch
+            changed = ds.refresh()
+        ds.set_epoch(epoch)
+        seen = []
+        for batch in BatchSampler(ds.sampler, 4, drop_last=False):
+            seen += [_summary(s) for s in ds.__getitems__(batch)]
+        dist.barrier()
+        epochs.append(seen)
+    collated = ds.collated(list(range(min(4, len(ds)))))
+    return {
+        "epochs": epochs,
+        "collated": [type(collated).__name__],
+        "changed": changed if refresh_after is not None else [],
+        "stats": ds.stats(),
+    }
+
+
+def read_rank(rank, world, port, redis_url, namespace, make, refresh_after=None):
+    """One rank reading the dataset ``make`` builds (or each of a list of
+    them, one after the other: one process group for all) for EPOCHS."""
+    import torch.distributed as dist
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
-        ds = make(redis_url=redis_url, namespace=namespace, seed=5)
-        epochs = []
-        for epoch in range(EPOCHS):
-            if refresh_after is not None and epoch == refresh_after:
-                dist.barrier()  # the test rewrote a shard before this epoch
-                changed = ds.refresh()
-            ds.set_epoch(epoch)
-            seen = []
-            for batch in BatchSampler(ds.sampler, 4, drop_last=False):
-                seen += [_summary(s) for s in ds.__getitems__(batch)]
-            dist.barrier()
-            epochs.append(seen)
-        collated = ds.collated(list(range(min(4, len(ds)))))
-        result = {
-            "epochs": epochs,
-            "collated": [type(collated).__name__],
-            "changed": changed if refresh_after is not None else [],
-            "stats": ds.stats(),
-        }
-        ds.close()
-        return result
+        results = []
+        for one in make if isinstance(make, list) else [make]:
+            ds = one(redis_url=redis_url, namespace=namespace, seed=5)
+            results.append(_read(ds, refresh_after))
+            ds.close()
+        return results if isinstance(make, list) else results[0]
     finally:
         dist.destroy_process_group()
 
@@ -113,6 +125,23 @@ def _run(redis_url, namespace, make, **kwargs):
         ],
         timeout=300,
     )
+
+
+def _parquet_bytes_needed(data, columns=("id", "x")):
+    """The footer (with its length and magic) and the chosen columns' chunks."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(pa.BufferReader(data)).metadata
+    total = int.from_bytes(data[-8:-4], "little") + 8
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        total += sum(
+            group.column(c).total_compressed_size
+            for c in range(group.num_columns)
+            if group.column(c).path_in_schema in columns
+        )
+    return total
 
 
 def _check_each_sample_once_per_epoch(results, expected):
@@ -141,10 +170,11 @@ def test_tar_shards_on_s3_read_once_per_cluster_and_rewrite_rereads_one_shard(
     s3.reset_counts()
     results = _run(redis_url, namespace, make)
     _check_each_sample_once_per_epoch(results, [(i, i) for i in range(36)])
-    # Each shard: read once by the listing (a tar has no index), then each of
-    # its two units once by one build. Over 3 epochs and 2 ranks, no more.
-    assert dict(s3.gets) == {f"/{k}": 3 for k in shards}
-    assert s3.total_get_bytes <= 2 * sum(len(v) for v in shards.values())
+    # Each shard is read once, by the listing (a tar has no index), which
+    # keeps each unit's bytes for its build, on whichever node builds it.
+    # Over 3 epochs and 2 ranks on 2 nodes, no more: every byte once.
+    assert dict(s3.gets) == {f"/{k}": 1 for k in shards}
+    assert s3.total_get_bytes == sum(len(v) for v in shards.values())
     # Epochs 2 and 3 are hits, then each rank's final collated batch of 4.
     assert sum(r["stats"]["hits"] for r in results) == 2 * 36 + 2 * 4
 
@@ -154,19 +184,78 @@ def test_tar_shards_on_s3_read_once_per_cluster_and_rewrite_rereads_one_shard(
     s3.reset_counts()
     results = _run(redis_url, namespace, make, refresh_after=1)
     assert results[0]["changed"] == [f"s3://{changed}"]
-    assert set(s3.gets) == {f"/{changed}"}  # the listing re-read only this shard
-    assert s3.gets[f"/{changed}"] == 3  # its index, then its two units
+    # The listing re-read only this shard, once; its units were built from it.
+    assert dict(s3.gets) == {f"/{changed}": 1}
+    assert s3.total_get_bytes == len(shards[changed])
+
+
+def _read_once(ranges, size):
+    """Whether sorted ``(offset, length)`` reads cover ``[0, size)`` exactly once."""
+    at = 0
+    for offset, length in ranges:
+        if offset != at:
+            return False
+        at += length
+    return at == size
+
+
+def test_local_tar_and_npy_read_each_byte_once_through_a_counting_filesystem(
+    ray_cluster, redis_url, namespace, tmp_path
+):
+    import counting_fs
+    from counting_fs import LogPath, reads
+
+    # Every process that unpickles these options (ranks, the stores they
+    # start, their listing and build tasks, on both nodes) reads plain paths
+    # through the counting filesystem (sent by value: workers cannot import
+    # the tests directory).
+    ray.cloudpickle.register_pickle_by_value(counting_fs)
+    data = tmp_path / "data"
+    data.mkdir()
+    for k in range(2):
+        (data / f"s-{k}.tar").write_bytes(tar_bytes(12, start=12 * k))
+    write_npy(data / "rows.npy", 30)
+    log = tmp_path / "reads.log"
+    log.touch()
+    options = {"log_path": LogPath(log)}
+
+    def make(url, name, chunk_samples):
+        def build(**kw):
+            from shardcache import DistributedCachedDataset
+
+            return DistributedCachedDataset(
+                url,
+                storage_options=options,
+                chunk_samples=chunk_samples,
+                name=name,
+                **kw,
+            )
+
+        return build
+
+    # Both datasets in one run of the 2 ranks, one after the other.
+    makes = [make(f"{data}/*.tar", "tar", 6), make(f"{data}/rows.npy", "npy", 8)]
+    tar, npy = zip(*_run(redis_url, namespace, makes), strict=True)
+    _check_each_sample_once_per_epoch(tar, [(i, i) for i in range(24)])
+    _check_each_sample_once_per_epoch(npy, [(i, 3 * i + 2) for i in range(30)])
+    opens, ranges = reads(str(log))
+    files = [*(str(data / f"s-{k}.tar") for k in range(2)), str(data / "rows.npy")]
+    assert sorted(ranges) == sorted(files)  # the ranks read through the stores
+    for path in files:
+        assert _read_once(ranges[path], os.path.getsize(path)), ranges[path]
+    # A shard is opened once, by the listing; the .npy for its header's two
+    # reads, then once per unit (4 units of 8 rows).
+    assert opens == {files[0]: 1, files[1]: 1, files[2]: 2 + 4}
 
 
 def test_parquet_on_s3_rows_read_once_with_footer_read_once(
     ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
 ):
-    s3fs_client.pipe(
-        {
-            f"{bucket}/pq/a.parquet": parquet_bytes(30, row_group=10),
-            f"{bucket}/pq/b.parquet": parquet_bytes(30, row_group=10, start=30),
-        }
-    )
+    files = {
+        f"{bucket}/pq/a.parquet": parquet_bytes(30, row_group=10),
+        f"{bucket}/pq/b.parquet": parquet_bytes(30, row_group=10, start=30),
+    }
+    s3fs_client.pipe(files)
     options = s3.storage_options()
 
     def make(**kw):
@@ -183,8 +272,10 @@ def test_parquet_on_s3_rows_read_once_with_footer_read_once(
     s3.reset_counts()
     results = _run(redis_url, namespace, make)
     _check_each_sample_once_per_epoch(results, [(i, 2.0 * i) for i in range(60)])
-    # Per file: the footer once (listing), one ranged read per row group.
-    assert dict(s3.gets) == {f"/{bucket}/pq/a.parquet": 4, f"/{bucket}/pq/b.parquet": 4}
+    # Per file: the footer's length and the footer (listing), then one ranged
+    # read per row group of the chosen columns: each of those bytes once.
+    assert dict(s3.gets) == {f"/{bucket}/pq/a.parquet": 5, f"/{bucket}/pq/b.parquet": 5}
+    assert s3.total_get_bytes == sum(_parquet_bytes_needed(v) for v in files.values())
     assert results[0]["collated"] == ["dict"]
 
 

@@ -5,6 +5,8 @@ naming it."""
 
 from __future__ import annotations
 
+import io
+import json
 import shutil
 
 import numpy as np
@@ -23,6 +25,7 @@ from shardcache.decoders import as_arrays
 from shardcache.errors import ConfigError, SourceFormatError
 from shardcache_server.packed_build import build_unit
 from shardcache_server.packed_listing import list_packed
+from shardcache_server.spans import SpanKeeper
 
 
 def _spec(url, fmt, chunk_samples=8, **extra):
@@ -37,11 +40,21 @@ def _spec(url, fmt, chunk_samples=8, **extra):
     }
 
 
-def _samples(manifest, preprocess=as_arrays, target=None, storage_options=None):
+def _samples(
+    manifest, preprocess=as_arrays, target=None, storage_options=None, spans=None
+):
+    """Every sample, unit by unit; a unit whose bytes are in ``spans`` (by
+    version, as the listing kept them) is built from them."""
     out = []
-    for c in range(len(manifest.layout)):
+    items = manifest.chunk_items(range(len(manifest.layout)))
+    for c, (_, version, _) in enumerate(items):
         columns, report = build_unit(
-            manifest, c, preprocess, target, storage_options or {}
+            manifest,
+            c,
+            preprocess,
+            target,
+            storage_options or {},
+            span=(spans or {}).pop(version, None),
         )
         assert report["errors"] == {}
         chunk = Chunk(columns)
@@ -165,42 +178,77 @@ def test_rewritten_file_changes_only_its_own_units(tmp_path):
     assert after.changed_files(before) == [str(tmp_path / "s1.tar")]
 
 
-def test_s3_tar_and_parquet_listing_reads_metadata_and_each_unit_once(
-    s3, s3fs_client, bucket
-):
+def test_s3_parquet_and_npy_read_each_byte_at_most_once(s3, s3fs_client, bucket):
+    data = parquet_bytes(40, row_group=10)
+    rows = io.BytesIO()
+    np.save(rows, np.arange(600, dtype=np.int32).reshape(200, 3))
     s3fs_client.pipe(
-        {
-            f"{bucket}/tar/s0.tar": tar_bytes(20),
-            f"{bucket}/tar/s1.tar": tar_bytes(20, start=20),
-            f"{bucket}/pq/p0.parquet": parquet_bytes(40, row_group=10),
-        }
+        {f"{bucket}/pq/p0.parquet": data, f"{bucket}/n/a.npy": rows.getvalue()}
     )
     options = s3.storage_options()
     s3.reset_counts()
     pq = list_packed(
-        _spec(f"s3://{bucket}/pq/", "parquet", storage_options=options), None
+        _spec(
+            f"s3://{bucket}/pq/", "parquet", chunk_samples=10, storage_options=options
+        ),
+        None,
     )
-    listing_gets = s3.total_gets
-    assert listing_gets == 1  # the footer, in one ranged read
+    # The footer's length, then exactly the footer: no row group byte.
+    assert s3.total_gets == 2
+    footer_bytes = s3.total_get_bytes
+    assert footer_bytes == int.from_bytes(data[-8:-4], "little") + 8
     assert [int(s["id"]) for s in _samples(pq, storage_options=options)] == list(
         range(40)
     )
-    # One ranged read per unit; the footer came with the manifest.
-    assert s3.total_gets - listing_gets == len(pq.layout) == 8
+    # One ranged read per unit (a row group); the footer came with the
+    # manifest. Every byte once, except the leading magic, which nothing needs.
+    assert s3.total_gets - 2 == len(pq.layout) == 4
+    assert s3.total_get_bytes == len(data) - 4
     s3.reset_counts()
-    tar = list_packed(
-        _spec(f"s3://{bucket}/tar/", "tar", storage_options=options), None
+    npy = list_packed(_spec(f"s3://{bucket}/n/", "npy", storage_options=options), None)
+    header = s3.total_get_bytes  # the prefix, then the rest of the header
+    assert s3.total_gets == 2 and header == json.loads(npy.file_meta(0))["offset"]
+    assert np.stack(_samples(npy, storage_options=options)).ravel().tolist() == list(
+        range(600)
     )
-    size = sum(len(tar_bytes(20, start=s)) for s in (0, 20))
-    listed_bytes = s3.total_get_bytes
-    samples = _samples(tar, storage_options=options)
+    assert s3.total_get_bytes == len(rows.getvalue())
+
+
+def test_s3_tar_listing_keeps_each_unit_so_builds_read_nothing(s3, s3fs_client, bucket):
+    shards = {f"{bucket}/tar/s{k}.tar": tar_bytes(20, start=20 * k) for k in (0, 1)}
+    s3fs_client.pipe(shards)
+    size = sum(len(v) for v in shards.values())
+    options = s3.storage_options()
+    spec = _spec(f"s3://{bucket}/tar/", "tar", storage_options=options)
+    s3.reset_counts()
+    kept: dict[str, np.ndarray] = {}
+    keeper = SpanKeeper(size, kept.__setitem__, {})
+    tar = list_packed(spec, None, keeper)
+    # One pass over each shard, in large blocks (one GET each here).
+    assert s3.total_get_bytes == size and s3.total_gets == 2
+    assert keeper.report() == {
+        "kept": len(tar.layout),
+        "kept_bytes": int(tar.columns["unit_bytes"].sum()),
+        "over": 0,
+        "over_bytes": 0,
+    }
+    versions = [v for _, v, _ in tar.chunk_items(range(len(tar.layout)))]
+    assert sorted(kept) == sorted(versions)
+    _, report = build_unit(tar, 0, as_arrays, None, options, span=kept[versions[0]])
+    assert report["reads"] == report["bytes_read"] == 0
+    samples = _samples(tar, storage_options=options, spans=kept)
     assert [bytes(s["cls"]) for s in samples] == [str(i).encode() for i in range(40)]
-    # A tar has no index: the listing reads each shard once, then each unit
-    # is one ranged read of its own span (member data, never the end blocks).
-    # (a readahead past the end of a shard can add a short error body)
-    assert size <= listed_bytes <= size + 1024
-    assert s3.total_get_bytes - listed_bytes <= size
-    assert sum(s3.gets.values()) == 2 + len(tar.layout)
+    assert not kept
+    assert s3.total_gets == 2 and s3.total_get_bytes == size  # builds read nothing
+
+    # Over the budget: units not kept are read again, one ranged read each.
+    s3.reset_counts()
+    small = SpanKeeper(int(tar.columns["unit_bytes"][0]), kept.__setitem__, {})
+    again = list_packed(spec, None, small)
+    assert small.report()["kept"] == 1 and small.report()["over"] == len(tar.layout) - 1
+    assert len(_samples(again, storage_options=options, spans=kept)) == 40
+    assert s3.total_gets == 2 + len(tar.layout) - 1  # the kept unit is not read
+    assert s3.total_get_bytes == size + int(tar.columns["unit_bytes"][1:].sum())
 
 
 def test_lmdb_and_hdf5_files_that_vanish_fail_the_build_with_the_file_named(tmp_path):

@@ -10,6 +10,7 @@ no rank and no DataLoader worker ever opens a source file.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,9 @@ class SourceFile:
     url: str
     etag: str
     size: int
+    # At listing time, where a format that reads whole units (tar) hands
+    # each unit's bytes: ``keep(lo, hi, data) -> kept`` (spans.py); else None.
+    keep: Callable[[int, int, bytes], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class UnitRequest:
     keys: list[bytes]  # the listed sample keys (tar, LMDB), else empty
     meta: bytes  # what the listing kept about the file (a Parquet footer)
     options: dict[str, Any]
+    data: Any = None  # the unit's bytes as the listing read them, else None
 
 
 class SourceFormat:
@@ -53,6 +58,9 @@ class SourceFormat:
 
     name = ""
     extensions: tuple[str, ...] = ()
+    # True when the listing reads every byte of a unit and offers it to
+    # ``SourceFile.keep``, and ``read_samples`` uses ``UnitRequest.data``.
+    keeps_spans = False
 
     def list_file(
         self,

@@ -1,7 +1,7 @@
 """``.npy`` files: one big array, one sample per row along axis 0.
 
-The listing reads the header (the first few KiB); a unit is a slab of rows
-read with one ranged read, or sliced from a memory map when the file is local.
+The listing reads exactly the header (its length, then the rest: two small
+ranged reads); a unit is a slab of rows read with one ranged read.
 """
 
 from __future__ import annotations
@@ -23,11 +23,20 @@ from shardcache_server.formats.base import (
 
 __all__ = ["NpyFormat"]
 
-_HEADER_READ_BYTES = 1 << 16  # .npy headers are padded to a multiple of 64; tiny
+_PREFIX_BYTES = 12  # magic (6) + version (2) + header length (2 in v1, 4 after)
 
 
 def _header(file: SourceFile) -> tuple[tuple[int, ...], np.dtype, int]:
-    head = file.fs.cat_file(file.path, start=0, end=min(file.size, _HEADER_READ_BYTES))
+    # The prefix gives the header's length, then exactly the rest of the
+    # header is read: no data byte is read at listing (its slab's build reads it).
+    head = file.fs.cat_file(file.path, start=0, end=min(file.size, _PREFIX_BYTES))
+    if len(head) == _PREFIX_BYTES and head[:6] == b"\x93NUMPY":
+        width = 2 if head[6] == 1 else 4
+        offset = 8 + width + int.from_bytes(head[8 : 8 + width], "little")
+        if offset > _PREFIX_BYTES:
+            head += file.fs.cat_file(
+                file.path, start=_PREFIX_BYTES, end=min(file.size, offset)
+            )
     buf = io.BytesIO(head)
     try:
         version = np.lib.format.read_magic(buf)

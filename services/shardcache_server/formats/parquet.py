@@ -1,8 +1,9 @@
 """Parquet files: one sample per row, a unit per row group (split when large).
 
-The listing reads each file's footer once and keeps it in the manifest, so
-a build reads only its row group's column chunks (pyarrow coalesces them
-into few ranged reads) and never the footer again.
+The listing reads each file's footer once (its length, then exactly the
+footer: two small ranged reads) and keeps it in the manifest, so a build
+reads only its row group's column chunks, with one ranged read, and never
+the footer again: each byte of a file is read at most once.
 """
 
 from __future__ import annotations
@@ -25,23 +26,35 @@ from shardcache_server.formats.base import (
 
 __all__ = ["ParquetFormat"]
 
-_TAIL_BYTES = 1 << 16  # one read usually holds the whole footer
+_TAIL_BYTES = 8  # footer length (4 bytes, little-endian) + b"PAR1"
 
 
 def _read_footer(file: SourceFile) -> bytes:
-    start = max(0, file.size - _TAIL_BYTES)
-    tail = file.fs.cat_file(file.path, start=start, end=file.size)
-    if len(tail) < 12 or tail[-4:] != b"PAR1":
+    """The footer and the 8 bytes after it, read with two ranged reads: the
+    length first, then exactly the footer. A speculative larger tail read
+    would save a round trip but read the end of the last row group's data,
+    which its build reads again; this way each byte is read once."""
+    if file.size < 12:
+        raise SourceFormatError(
+            f"{file.url} is not a Parquet file: {file.size} bytes is too short."
+        )
+    tail = file.fs.cat_file(file.path, start=file.size - _TAIL_BYTES, end=file.size)
+    if len(tail) != _TAIL_BYTES or tail[-4:] != b"PAR1":
         raise SourceFormatError(
             f"{file.url} is not a Parquet file or its footer is corrupt (no PAR1 "
             "magic at the end). Rewrite it with pyarrow.parquet.write_table."
         )
-    length = int.from_bytes(tail[-8:-4], "little")
-    if length + 8 > file.size:
+    length = int.from_bytes(tail[:4], "little")
+    if length + 12 > file.size:
         raise SourceFormatError(f"{file.url} has a corrupt Parquet footer length")
-    if length + 8 > len(tail):
-        tail = file.fs.cat_file(file.path, start=file.size - length - 8, end=file.size)
-    return tail[-(length + 8) :]
+    start = file.size - _TAIL_BYTES - length
+    footer = file.fs.cat_file(file.path, start=start, end=file.size - _TAIL_BYTES)
+    if len(footer) != length:
+        raise SourceFormatError(
+            f"{file.url} returned {len(footer)} bytes of a {length}-byte footer: "
+            "the file changed while it was listed. List it again."
+        )
+    return footer + tail
 
 
 def _metadata(footer: bytes, url: str) -> pq.FileMetaData:
