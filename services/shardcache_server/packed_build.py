@@ -122,8 +122,10 @@ def build_unit(
         names = [manifest.url(i) for i in range(start, end)]
         targets = [target(k) for k in names] if target else None
         columns = build_chunk(samples, errors, names=names, targets=targets)
-    # A unit whose bytes came with the listing was not read here.
-    is_read = not (errors and len(errors) == n) and span is None
+    # A unit whose bytes came with the listing was read from the source by
+    # the listing, on this unit's behalf and once: counted here all the same,
+    # so the source bytes the dashboard shows are the ones the source sent.
+    is_read = not (errors and len(errors) == n)
     nbytes = manifest.chunk_source_bytes(chunk)
     report = {
         "reads": int(is_read),
