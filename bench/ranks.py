@@ -52,6 +52,20 @@ def blob(data: bytes) -> np.ndarray:
 PREPROCESS = {"images": decode_resize, "blobs": blob}
 
 
+def tar_image(sample: dict[str, bytes]) -> np.ndarray:
+    """A WebDataset sample of the JPEG set (``{"jpg": bytes}``), decoded the same way."""
+    return decode_resize(sample["jpg"])
+
+
+def tar_blob(sample: dict[str, bytes]) -> np.ndarray:
+    """A WebDataset sample of the 4 KB set (``{"bin": bytes}``)."""
+    return blob(sample["bin"])
+
+
+# The same preprocessing over the same bytes, packed in tar shards.
+PREPROCESS_TAR = {"images": tar_image, "blobs": tar_blob}
+
+
 def server_gets(endpoint: str) -> int:
     """GETs counted so far at the storage side (the emulator's control API)."""
     with urllib.request.urlopen(f"{endpoint}/_emulator/stats", timeout=10) as resp:
@@ -318,9 +332,14 @@ def shardcache_batches(
 def shardcache_dataset(cfg: dict[str, Any], rank: int, world: int, **kw: Any) -> Any:
     from shardcache import DistributedCachedDataset
 
+    if cfg.get("format"):  # packed shards, read in place (no conversion step)
+        kw.setdefault("format", cfg["format"])
+    if cfg.get("chunk_samples"):
+        kw.setdefault("chunk_samples", cfg["chunk_samples"])
+    preprocess = PREPROCESS_TAR if cfg.get("format") == "tar" else PREPROCESS
     return DistributedCachedDataset(
         kw.pop("urls", cfg["prefix"]),
-        preprocess=PREPROCESS[cfg["dataset"]],
+        preprocess=preprocess[cfg["dataset"]],
         storage_options=cfg["storage_options"] or None,
         redis_url=cfg["redis_url"],
         name=kw.pop("name", f"bench-{cfg['dataset']}"),

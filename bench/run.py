@@ -53,6 +53,7 @@ SYSTEMS = (
     "litdata",
     "mosaic",
     "shardcache",
+    "shardcache_tar",
 )
 QUICK_SYSTEMS = ("plain", "ray_data", "shardcache")
 # Caching a local file on local disk measures nothing.
@@ -72,7 +73,14 @@ HALF_CACHE = {  # scenario -> eviction policy, each at half of the node's share
     "shardcache_static50": "static",
     "shardcache_clairvoyant50": "clairvoyant",
 }
-RAY_SYSTEMS = ("ray_data", "shardcache", *SCENARIOS)
+# A real dataset is thousands of chunks; at the default 4,096 samples the 20,000
+# blobs are 5, and a half-share budget would hold one. The half-cache scenarios
+# cut the blobs in 256-sample chunks (~40 per node) so a policy has choices.
+HALF_CACHE_CHUNK_SAMPLES = {"blobs": 256}
+# The same datasets as WebDataset tar shards, read in place by format="tar".
+PACKED = {"shardcache_tar": "tar"}
+TAR_SAMPLES_PER_SHARD = {"images": 250, "blobs": 1000}
+RAY_SYSTEMS = ("ray_data", "shardcache", *PACKED, *SCENARIOS)
 DATASETS = ("images", "blobs")
 MIN_WARM_BATCHES = 100  # per rank, so a warm p99 is not a maximum
 MEMCPY_BYTES = 256 * 2**20  # source of the memcpy reference: well past the caches
@@ -309,9 +317,21 @@ CONVERSIONS = {"litdata": _litdata_convert, "mosaic": _mosaic_convert}
 
 def _start_stores(cfg: dict[str, Any]) -> None:
     """Start this run's stores with a one-object dataset in the same namespace,
-    so the memory baseline is taken with the store processes already up."""
+    so the memory baseline is taken with the store processes already up.
+
+    The stores are started here, in the driver, with the scenario's settings:
+    the ranks' environment would come too late (a store started once is found,
+    not restarted), which is why the half-cache budgets once did not bind.
+    """
+    from shardcache_server.cluster import ensure_stores
+    from shardcache_server.settings import ServiceSettings
+
     from ranks import shardcache_batches, shardcache_dataset
 
+    settings = ServiceSettings(
+        redis_url=cfg["redis_url"], namespace=cfg["namespace"], **cfg["store_env"]
+    )
+    ensure_stores(settings)
     ds = shardcache_dataset(
         cfg, 0, 1, urls=[cfg["urls"][0]], name=f"warmup-{cfg['dataset']}"
     )
@@ -376,9 +396,10 @@ def run_system(system: str, cfg: dict[str, Any], ctx: Context) -> list[dict[str,
         r.update(job)
         r["storage_cpu_s"] = emulator.cpu_s if emulator else None
         # Every GET of the job, conversion included; prepare_* is reported apart.
-        r["gets_per_object"] = gets / len(cfg["urls"]) if gets is not None else None
+        samples = cfg["samples"]  # a tar shard holds many samples
+        r["gets_per_object"] = gets / samples if gets is not None else None
         r["prepare_s"], r["prepare_gets"] = cfg["prepare_s"], cfg["prepare_gets"]
-        r["dataset_samples"] = len(cfg["urls"])
+        r["dataset_samples"] = samples
         if r["epoch"] == 0:
             # A system that converts or materialises first pays for it in epoch 1.
             r["seconds"] += cfg["prepare_s"]
@@ -451,9 +472,52 @@ def _write_local(root: Path, args: argparse.Namespace) -> None:
         (root / d).mkdir(parents=True, exist_ok=True)
     upload_images(fs, str(root / "images"), args.images, size=args.image_px, fmt="JPEG")
     upload_blobs(fs, str(root / "blobs"), args.blobs, 4096)
+    if any(s in PACKED for s in args.systems.split(",")):
+        for d in DATASETS:
+            (root / f"tar-{d}").mkdir(exist_ok=True)
+        fs.pipe(_tar_shards(str(root), args))
     for path in root.rglob("*"):
         if path.is_file():
             path.read_bytes()
+
+
+def _tar_shards(root: str, args: argparse.Namespace) -> dict[str, bytes]:
+    """Both datasets as WebDataset tar shards under ``root/tar-<dataset>/``: the
+    very bytes of the per-object files (the same generators, the same seeds),
+    one sample per member (``img-000123.jpg``, ``blob-000123.bin``)."""
+    from shardcache_server.datagen import make_image
+
+    rng = np.random.default_rng(0)  # upload_blobs' sequence
+    named = {
+        "images": [
+            (f"img-{i:06d}.jpg", make_image(i, args.image_px, "JPEG"))
+            for i in range(args.images)
+        ],
+        "blobs": [
+            (f"blob-{i:06d}.bin", rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
+            for i in range(args.blobs)
+        ],
+    }
+    shards: dict[str, bytes] = {}
+    for dataset, members in named.items():
+        per_shard = TAR_SAMPLES_PER_SHARD[dataset]
+        for s, start in enumerate(range(0, len(members), per_shard)):
+            path = f"{root}/tar-{dataset}/shard-{s:04d}.tar"
+            shards[path] = _tar(members[start : start + per_shard])
+    return shards
+
+
+def _tar(members: list[tuple[str, bytes]]) -> bytes:
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
 
 
 def _parse_args() -> argparse.Namespace:
@@ -578,6 +642,8 @@ def main() -> None:
         print(f"s3: {args.images} JPEGs and {args.blobs} 4 KB blobs ...", flush=True)
         upload_images(fs, "bench/images", args.images, size=args.image_px, fmt="JPEG")
         upload_blobs(fs, "bench/blobs", args.blobs, 4096)
+        if any(s in PACKED for s in systems):
+            fs.pipe(_tar_shards("bench", args))
         sizes = {"images": fs.du("bench/images") / args.images, "blobs": 4096}
         calibration = calibrate_storage(
             emulator, fs, f"s3://{fs.find('bench/images')[0]}"
@@ -697,13 +763,14 @@ def _config(
         return None  # caching local files locally; scenarios count GETs (s3 only)
     if system == "shardcache_changed1" and dataset != "blobs":
         return None  # rewriting a JPEG's bytes would not decode
+    folder = f"tar-{dataset}" if system in PACKED else dataset
     if source == "s3":
-        prefix = f"s3://bench/{dataset}/"
+        prefix = f"s3://bench/{folder}/"
         urls = sorted(f"s3://{p}" for p in fs.find(prefix))
         storage_options, endpoint = emulator.storage_options(), emulator.endpoint_url
     else:
-        prefix = f"{local_root / dataset}/"
-        urls = sorted(str(p) for p in (local_root / dataset).iterdir())
+        prefix = f"{local_root / folder}/"
+        urls = sorted(str(p) for p in (local_root / folder).iterdir())
         storage_options, endpoint = {}, None
     layout = f"{args.nodes}x{rpn}"
     cfg: dict[str, Any] = {
@@ -711,6 +778,11 @@ def _config(
         "dataset": dataset,
         "prefix": prefix,
         "urls": urls,
+        "samples": args.images if dataset == "images" else args.blobs,
+        "chunk_samples": (
+            HALF_CACHE_CHUNK_SAMPLES.get(dataset) if system in HALF_CACHE else None
+        ),
+        "format": PACKED.get(system),
         "storage_options": storage_options,
         "endpoint": endpoint,
         "redis_url": redis_url,

@@ -1,0 +1,127 @@
+"""What one warm batch costs the rank, alone: ``ds.loader(B)`` against a memcpy.
+
+The main benchmark's ``of memcpy`` column times the loop's wait for a batch
+while 4 ranks, 2 stores and the step's all-reduce share 2 cores, so it mixes
+the loader with scheduling. This isolates the loader: one rank, one process,
+a warm cache, nothing else running; it reports the time per collated batch,
+the delivery rate, and the rate of the same gather done by numpy alone and of
+a plain memcpy of the batch's bytes, so the loader's own overhead per batch
+stands apart.
+
+    PYTHONPATH=sdk:services:bench .venv/bin/python bench/loader.py \\
+        --samples 20000 --sample-bytes 4096 --batch 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import numpy as np  # noqa: E402
+
+from ranks import blob  # noqa: E402
+
+
+def _write(root: Path, samples: int, sample_bytes: int) -> None:
+    rng = np.random.default_rng(0)
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(samples):
+        data = rng.integers(0, 256, sample_bytes, dtype=np.uint8).tobytes()
+        (root / f"s-{i:07d}.bin").write_bytes(data)
+
+
+def _best_ms(fn, repeats: int) -> float:
+    """Median milliseconds of ``fn()`` over ``repeats`` calls."""
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times) * 1e3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--samples", type=int, default=20000)
+    ap.add_argument("--sample-bytes", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--world", type=int, default=4, help="this rank's shard is 1/W")
+    ap.add_argument("--epochs", type=int, default=5, help="warm epochs timed")
+    args = ap.parse_args()
+
+    import ray
+    import torch
+
+    from shardcache import DistributedCachedDataset
+    from shardcache.embedded import start_redis_server
+
+    tmp = Path(tempfile.mkdtemp(prefix="shardcache-loader-"))
+    _write(tmp / "data", args.samples, args.sample_bytes)
+    redis_proc, redis_url = start_redis_server(tmp, password="bench")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        ds = DistributedCachedDataset(
+            f"{tmp / 'data'}/",
+            preprocess=blob,
+            redis_url=redis_url,
+            namespace="loaderbench",
+            rank=0,
+            world_size=args.world,
+            seed=0,
+        )
+        loader = ds.loader(args.batch, drop_last=True)
+        ds.set_epoch(0)
+        for _ in loader:  # the cold epoch: builds and maps every chunk
+            pass
+        waits: list[float] = []
+        batch_bytes = 0
+        for epoch in range(1, 1 + args.epochs):
+            ds.set_epoch(epoch)
+            t = time.perf_counter()
+            for batch in loader:
+                now = time.perf_counter()
+                waits.append(now - t)
+                batch_bytes = batch.numel() * batch.element_size()
+                t = now
+        ds.close()
+    finally:
+        ray.shutdown()
+        redis_proc.terminate()
+
+    shard = np.random.default_rng(1).integers(
+        0, 256, (args.samples // args.world, args.sample_bytes), dtype=np.uint8
+    )
+    picks = np.random.default_rng(2).integers(0, len(shard), args.batch)
+    out = torch.empty((args.batch, args.sample_bytes), dtype=torch.uint8)
+    flat = shard[: args.batch].copy()
+    gather_ms = _best_ms(lambda: np.take(shard, picks, axis=0, out=out.numpy()), 2000)
+    memcpy_ms = _best_ms(lambda: out.numpy().reshape(-1).__setitem__(
+        slice(None), flat.reshape(-1)), 2000)  # fmt: skip
+    loader_ms = float(np.median(waits) * 1e3)
+    result = {
+        "command": "bench/loader.py "
+        f"--samples {args.samples} --sample-bytes {args.sample_bytes} "
+        f"--batch {args.batch} --world {args.world} --epochs {args.epochs}",
+        "warm_batches": len(waits),
+        "batch_bytes": batch_bytes,
+        "loader_ms_p50": round(loader_ms, 4),
+        "loader_ms_p99": round(float(np.percentile(waits, 99) * 1e3), 4),
+        "loader_gbps": round(batch_bytes / loader_ms / 1e6, 3),
+        "numpy_gather_ms": round(gather_ms, 4),
+        "memcpy_ms": round(memcpy_ms, 4),
+        "memcpy_gbps": round(batch_bytes / memcpy_ms / 1e6, 3),
+        "of_memcpy": round(memcpy_ms / loader_ms, 3),
+        "overhead_ms_per_batch": round(loader_ms - gather_ms, 4),
+        "samples_per_s": round(args.batch / loader_ms * 1e3),
+    }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
