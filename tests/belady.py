@@ -10,14 +10,16 @@ import numpy as np
 from shardcache.sampler import ShardSampler
 
 
-def node_calls(sizes, world, ranks, seed, epochs, batch):
+def node_calls(sizes, world, ranks, seed, epochs, batch, block=0):
     """The store calls of the node's ranks, written independently of the
     policy: each rank holds nothing, so every batch asks for its chunks (in
     order of first sample); ranks in lockstep, lower rank first."""
     starts = np.concatenate(([0], np.cumsum(sizes)))
     orders = {
         r: [
-            ShardSampler(sizes, r, world, seed=seed).order(e).tolist()
+            ShardSampler(sizes, r, world, seed=seed, shuffle_block=block)
+            .order(e)
+            .tolist()
             for e in range(epochs)
         ]
         for r in ranks

@@ -149,6 +149,12 @@ class DistributedCachedDataset(Dataset[Any]):
         shuffle: ``True`` (a stable shard of whole chunks, reshuffled inside
             each epoch), ``"global"`` (DistributedSampler's global
             permutation) or ``False``.
+        shuffle_block: shuffle this rank's chunks in blocks of about this
+            many samples instead of the whole shard at once (Mosaic's shuffle
+            blocks): set it when the node's cache holds less than its ranks'
+            shards, so each chunk is read once per epoch instead of in every
+            batch (``docs/architecture.md``, "Shuffle blocks"). Defaults to
+            ``None`` (the whole shard).
         seed, drop_last: as for DistributedSampler.
         prefetch_batches: batches whose chunks are resolved ahead.
         consistency: ``"epoch"`` (the default) reads the generation once at
@@ -182,6 +188,7 @@ class DistributedCachedDataset(Dataset[Any]):
         rank: int | None = None,
         world_size: int | None = None,
         shuffle: bool | str = True,
+        shuffle_block: int | None = None,
         seed: int = 0,
         drop_last: bool = False,
         name: str | None = None,
@@ -291,6 +298,7 @@ class DistributedCachedDataset(Dataset[Any]):
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,
+            shuffle_block=shuffle_block or 0,
         )
         self.generation = self._register_in_index()
         self._refreshes = 0
@@ -378,6 +386,7 @@ class DistributedCachedDataset(Dataset[Any]):
                 else self._sampler.shuffle,
                 "drop_last": self._sampler.drop_last,
                 "epoch": self._sampler.epoch,
+                "block": self._sampler.block,
             },
         }
 

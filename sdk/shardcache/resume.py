@@ -35,7 +35,12 @@ from typing import Any
 import numpy as np
 
 from shardcache.errors import ConfigError
-from shardcache.sharding import assign_chunks, epoch_order, global_order
+from shardcache.sharding import (
+    assign_chunks,
+    block_shuffle,
+    epoch_order,
+    global_order,
+)
 
 __all__ = [
     "STATE_VERSION",
@@ -60,6 +65,7 @@ WORLD_KEYS = (
     "seed",
     "mode",
     "shuffle",
+    "block",
     "drop_last",
     "world_size",
     "resumed_from",
@@ -85,6 +91,7 @@ def world_state(
         "seed": int(seed),
         "mode": mode,
         "shuffle": bool(shuffle),
+        "block": 0,
         "drop_last": bool(drop_last),
         "world_size": int(world_size),
         "resumed_from": None,
@@ -195,7 +202,12 @@ def world_orders(
     shards = world_shards(sizes, w, seed, world.get("basis"))
     lens = [len(s) for s in shards]
     num = min(lens) if drop_last else max(lens)
-    return [epoch_order(s, num, seed, e, shuffle) for s in shards]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    block = int(world.get("block", 0))
+    return [
+        epoch_order(s, num, seed, e, shuffle, block_samples=block, chunk_starts=starts)
+        for s in shards
+    ]
 
 
 def make_basis(merged: Mapping[str, Any], nodes: Sequence[str]) -> dict[str, Any]:
@@ -313,6 +325,7 @@ def plan_resume(
     rank's node (``None``: no locality preference).
     """
     sizes = np.asarray(sizes, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     seed, epoch = int(old["seed"]), int(old["epoch"])
     left, holder = _remaining(sizes, old)
     total = len(left)
@@ -356,7 +369,10 @@ def plan_resume(
             else np.zeros(0, dtype=np.int64)
         )
         mine = np.sort(mine)
-        if old["shuffle"]:
+        if old["shuffle"] and old.get("block"):  # the same chunk blocks as before
+            chunk_ids = np.searchsorted(starts, mine, side="right") - 1
+            mine = block_shuffle(mine, chunk_ids, int(old["block"]), [*rng_key, r])
+        elif old["shuffle"]:
             np.random.default_rng([*rng_key, r]).shuffle(mine)
         orders.append(mine)
     return ResumePlan(orders, total, moved, min_moved, deal.dropped)
@@ -506,6 +522,11 @@ def apply_state(
                 f"state_dict has {key}={state.get(key)!r} but this dataset has "
                 f"{mine[key]!r}; resume with the same settings.{hint}"
             )
+    if int(state.get("block") or 0) != int(mine.get("block") or 0):
+        raise ConfigError(
+            f"state_dict has shuffle_block={state.get('block') or 0!r} but this "
+            f"dataset has {mine.get('block') or 0!r}; resume with the same settings."
+        )
     if state.get("manifest") != digest:
         raise ConfigError(
             "state_dict was saved for a different listing of the source; "

@@ -78,6 +78,9 @@ class ShardSampler(Sampler[int]):
             shard; ``"global"`` is DistributedSampler's global permutation;
             ``False`` keeps shard order.
         seed: shared by all ranks. drop_last: drop instead of pad.
+        shuffle_block: with the shard shuffle, shuffle chunk blocks of about
+            this many samples instead of the whole shard (0: the whole shard);
+            see :func:`~shardcache.sharding.block_shuffle`. Defaults to ``0``.
     """
 
     def __init__(
@@ -89,11 +92,22 @@ class ShardSampler(Sampler[int]):
         shuffle: bool | str = True,
         seed: int = 0,
         drop_last: bool = False,
+        shuffle_block: int = 0,
     ):
         validate_world(rank, world_size)
         if shuffle not in SHUFFLE_MODES:
             raise ConfigError(
                 f"shuffle must be one of {SHUFFLE_MODES}, got {shuffle!r}."
+            )
+        if not isinstance(shuffle_block, int) or shuffle_block < 0:
+            raise ConfigError(
+                f"shuffle_block must be an integer >= 0 (samples), got "
+                f"{shuffle_block!r}."
+            )
+        if shuffle_block and shuffle == "global":
+            raise ConfigError(
+                "shuffle_block shuffles inside a rank's stable shard; it cannot "
+                "be combined with shuffle='global'. Use shuffle=True."
             )
         self.sizes = np.asarray(chunk_sizes, dtype=np.int64)
         self.n = int(np.sum(self.sizes))
@@ -101,6 +115,10 @@ class ShardSampler(Sampler[int]):
         self.mode = "global" if shuffle == "global" else "shard"
         self.shuffle = shuffle is not False
         self.seed, self.drop_last = int(seed), drop_last
+        self.block = int(shuffle_block)
+        self._starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(
+            np.int64
+        )
         self.epoch = 0
         self._skip = 0
         self._yielded = 0
@@ -163,7 +181,15 @@ class ShardSampler(Sampler[int]):
                 self.shuffle,
                 self.drop_last,
             )
-        return epoch_order(self.shard, self.num_samples, self.seed, e, self.shuffle)
+        return epoch_order(
+            self.shard,
+            self.num_samples,
+            self.seed,
+            e,
+            self.shuffle,
+            block_samples=self.block,
+            chunk_starts=self._starts,
+        )
 
     # -- resume ---------------------------------------------------------------------
     def resume(self, epoch: int, consumed: int) -> None:
@@ -262,6 +288,7 @@ class ShardSampler(Sampler[int]):
             "world_size": self.world_size,
             "mode": self.mode,
             "shuffle": self.shuffle,
+            "block": self.block,
             "drop_last": self.drop_last,
             "resumed_from": resumed["merged"] if resumed else None,
             "plan_nodes": resumed["nodes"] if resumed else None,
@@ -285,6 +312,11 @@ class ShardSampler(Sampler[int]):
                     f"sampler state has {key}={state.get(key)!r} but this sampler has "
                     f"{getattr(self, key)!r}; restore with the same settings."
                 )
+        if int(state.get("block", 0)) != self.block:
+            raise ConfigError(
+                f"sampler state has shuffle_block={state.get('block', 0)!r} but this "
+                f"sampler has {self.block!r}; restore with the same settings."
+            )
         self.use_basis(state.get("basis"))
         if state.get("resumed_from") is not None:
             self.resume_elastic(state["resumed_from"], state.get("plan_nodes"))

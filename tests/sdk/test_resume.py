@@ -266,3 +266,25 @@ def test_resume_at_a_later_epoch_of_a_resumed_world_chains_exactly():
     same = ShardSampler(CHUNKS, 1, 2, seed=3)
     same.load_state_dict({**again[1], "yielded": 100})
     assert list(same) == list(two[1].order(3))[100:]
+
+
+@pytest.mark.parametrize("new_world", [2, 3, 6])
+def test_resume_with_shuffle_blocks_is_exact_and_keeps_block_locality(new_world):
+    states, seen = _save(4, 3, 16, nodes=OLD_NODES, shuffle_block=128)
+    merged = merge_states(states)
+    assert merged["block"] == 128
+    nodes = [f"node{'AB'[r % 2]}" for r in range(new_world)]
+    samplers = _resume(merged, new_world, nodes, shuffle_block=128)
+    rest = [i for s in samplers for i in s]
+    assert Counter(seen + rest) == Counter(range(N))
+    # The resumed epoch keeps the chunk blocks: a rank's first 128 samples
+    # come from fewer chunks than a full shuffle of its share touches.
+    full = _resume(merged_full := merge_states(_save(4, 3, 16, nodes=OLD_NODES)[0]),
+                   new_world, nodes)  # fmt: skip
+    assert merged_full["block"] == 0
+
+    def chunks_of_first(sampler) -> int:
+        first = np.asarray(list(sampler)[:128])
+        return len(np.unique(np.searchsorted(np.cumsum(CHUNKS), first, "right")))
+
+    assert sum(map(chunks_of_first, samplers)) < sum(map(chunks_of_first, full))

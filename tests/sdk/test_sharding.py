@@ -109,3 +109,64 @@ def test_sampler_bad_rank_or_world_is_config_error(rank, world):
 def test_sampler_bad_shuffle_mode():
     with pytest.raises(ConfigError, match="shuffle"):
         ShardSampler(CHUNKS, 0, 1, shuffle="sometimes")
+
+
+def _chunk_loads(order: np.ndarray, chunk_size: int, cache_chunks: int) -> int:
+    """Chunks an LRU cache of ``cache_chunks`` chunks loads for ``order``."""
+    from collections import OrderedDict
+
+    cache: OrderedDict[int, None] = OrderedDict()
+    loads = 0
+    for chunk in (order // chunk_size).tolist():
+        if chunk in cache:
+            cache.move_to_end(chunk)
+            continue
+        loads += 1
+        cache[chunk] = None
+        if len(cache) > cache_chunks:
+            cache.popitem(last=False)
+    return loads
+
+
+def test_block_shuffle_reads_each_chunk_once_where_a_full_shuffle_thrashes():
+    # One rank's shard: 16 chunks of 64; its node's cache holds 4 chunks.
+    chunks = np.repeat(np.arange(16), 64)
+    shard = np.arange(len(chunks))
+    starts = np.arange(16) * 64
+    full = epoch_order(shard, len(shard), 3, 1, True)
+    blocks = epoch_order(
+        shard, len(shard), 3, 1, True, block_samples=128, chunk_starts=starts
+    )
+    assert sorted(blocks.tolist()) == shard.tolist()  # a permutation
+    assert _chunk_loads(blocks, 64, 4) == 16  # every chunk once an epoch
+    assert _chunk_loads(full, 64, 4) > 10 * 16  # nearly every sample a load
+    # Each block of 128 samples is exactly two whole chunks, in random order.
+    per_block = [set((blocks[b : b + 128] // 64).tolist()) for b in range(0, 1024, 128)]
+    assert all(len(s) == 2 for s in per_block)
+    assert [sorted(s) for s in per_block] != [[2 * b, 2 * b + 1] for b in range(8)]
+    # Reshuffled per epoch, the same for the same (seed, epoch).
+    again = epoch_order(
+        shard, len(shard), 3, 1, True, block_samples=128, chunk_starts=starts
+    )
+    other = epoch_order(
+        shard, len(shard), 3, 2, True, block_samples=128, chunk_starts=starts
+    )
+    assert np.array_equal(blocks, again) and not np.array_equal(blocks, other)
+
+
+def test_sampler_shuffle_block_is_checked_and_kept_in_its_state():
+    with pytest.raises(ConfigError, match="shuffle_block"):
+        ShardSampler([64] * 4, 0, 1, shuffle_block=-1)
+    with pytest.raises(ConfigError, match="shuffle='global'"):
+        ShardSampler([64] * 4, 0, 1, shuffle="global", shuffle_block=64)
+    s = ShardSampler([64] * 8, 0, 2, shuffle_block=64, seed=1)
+    s.set_epoch(1)
+    order = list(s)
+    assert sorted(order) == sorted(s.shard.tolist())
+    state = {**s.state_dict(), "yielded": 10}
+    plain = ShardSampler([64] * 8, 0, 2, seed=1)
+    with pytest.raises(ConfigError, match="shuffle_block=64"):
+        plain.load_state_dict(state)
+    same = ShardSampler([64] * 8, 0, 2, shuffle_block=64, seed=1)
+    same.load_state_dict(state)
+    assert list(same) == order[10:]

@@ -52,6 +52,23 @@ def test_clairvoyant_hits_equal_belady_min_over_three_shuffled_epochs():
     assert hits["lru"] < hits["static"] < hits["clairvoyant"]
 
 
+def test_clairvoyant_plans_on_shuffle_blocks_and_equals_belady_min():
+    # The rank shuffles in blocks of 4 chunks: the store must plan on that
+    # order (the block is in the spec), and then makes Belady's choices.
+    sizes = np.full(32, 4)
+    calls = node_calls(sizes, 1, (0,), seed=7, epochs=4, batch=1, block=16)
+    seq = [c for call in calls for c in call]
+    count = 3 * len(seq) // 4
+    capacity = 8  # a quarter of the chunks
+    order = SamplerOrder(tuple(sizes.tolist()), 1, 7, True, False, (0,), block=16)
+    hits = {n: _run(n, order, calls[:count], capacity) for n in POLICIES}
+    assert hits["clairvoyant"] == belady_hits(seq, capacity, count)
+    assert hits["clairvoyant"] > hits["lru"]
+    # Planned on the whole-shard shuffle instead, it would choose worse.
+    stale = _run("clairvoyant", replace(order, block=0), calls[:count], capacity)
+    assert stale < hits["clairvoyant"]
+
+
 @pytest.mark.parametrize(
     "world,ranks", [(2, (0, 1)), (4, (1, 2)), (2, (0,))], ids=["2of2", "2of4", "1of2"]
 )

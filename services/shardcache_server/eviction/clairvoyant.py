@@ -59,6 +59,7 @@ class SamplerOrder:
     Args:
         chunk_sizes: samples per chunk, in manifest order.
         world_size, seed, shuffle, drop_last: as for ``ShardSampler``.
+        block: ``ShardSampler``'s ``shuffle_block``.
         ranks: the ranks that read on this node (each registered with it).
         epoch: the epoch the ranks were at when they registered.
     """
@@ -70,6 +71,7 @@ class SamplerOrder:
     drop_last: bool
     ranks: tuple[int, ...]
     epoch: int = 0
+    block: int = 0
 
     @classmethod
     def from_spec(cls, order: dict[str, Any], chunk_sizes: np.ndarray) -> SamplerOrder:
@@ -88,6 +90,7 @@ class SamplerOrder:
                 bool(order["drop_last"]),
                 (int(order["rank"]),),
                 int(order.get("epoch", 0)),
+                int(order.get("block", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(
@@ -168,6 +171,7 @@ class _Future:
                     shuffle=order.shuffle,
                     seed=order.seed,
                     drop_last=order.drop_last,
+                    shuffle_block=order.block,
                 ),
                 starts,
                 order.epoch,
