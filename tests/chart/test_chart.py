@@ -503,3 +503,25 @@ def test_notes_never_tell_a_pod_outside_ray_to_ray_init(values):
 def test_notes_name_the_rendered_example_rayjob_when_examples_rayjob_enabled_set():
     notes = render(RAYJOB_EXAMPLE)["shardcache/templates/NOTES.txt"][0]["NOTES"]
     assert "rayjob/rel-shardcache-ray-train-example" in notes
+
+
+def test_helm_test_pod_joins_ray_as_a_node_before_the_selftest_and_leaves_after():
+    """A Ray 2.60 driver needs a raylet of its own host: the test pod starts
+    one (zero CPUs, like a cache worker), runs the selftest through it, and
+    stops it whatever the selftest returned."""
+    (pod,) = [
+        o
+        for o in objects()
+        if o["kind"] == "Pod"
+        and o["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"
+    ]
+    (container,) = pod["spec"]["containers"]
+    assert container["command"][:2] == ["sh", "-c"]
+    script = container["command"][2]
+    start = script.index("ray start --address=rel-shardcache-ray-head:6379")
+    selftest = script.index("&& shardcache selftest --ray-address auto")
+    stop = script.index("rc=$?; ray stop --force")
+    assert start < selftest < stop and script.rstrip().endswith("exit $rc")
+    assert "--num-cpus=0" in script[start:selftest]
+    assert "--dashboard-url http://rel-shardcache-dashboard:" in script
+    assert "POD_IP" in _env_by_name(container)

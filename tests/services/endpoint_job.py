@@ -3,7 +3,7 @@ network) namespace that has no Ray session directory and no route to Redis or
 S3; the only way to the cache is the node-local endpoint's socket (or, for
 ``remote``, the Flight port). Writes its findings as JSON under the hostPath.
 
-Usage: python endpoint_job.py ranks|remote|nomount CONFIG_JSON
+Usage: python endpoint_job.py ranks|remote|nomount|restart CONFIG_JSON
 """
 
 from __future__ import annotations
@@ -84,25 +84,47 @@ def _rank(rank: int, cfg: dict) -> None:
     dist.destroy_process_group()
 
 
+def _one_rank(cfg: dict, **kwargs):
+    """The dataset of a job of one rank (no process group)."""
+    from shardcache import DistributedCachedDataset
+
+    return DistributedCachedDataset(
+        cfg["url"],
+        storage_options=cfg["storage_options"],
+        name=cfg["name"],
+        chunk_samples=2,
+        rank=0,
+        world_size=1,
+        **kwargs,
+    )
+
+
+def _across_restart(cfg: dict) -> dict:
+    """One epoch, then wait while the test restarts the cache worker, then one
+    more epoch through the new one."""
+    ds = _one_rank(cfg)
+    epochs = [_epoch(ds, 0, None)]
+    out = Path(cfg["shared"])
+    (out / "read-once").write_text("")
+    while not (out / "restarted").exists():
+        time.sleep(0.1)
+    epochs.append(_epoch(ds, 1, None))
+    ds.close()
+    return {"epochs": epochs}
+
+
 def main() -> None:
     mode, cfg = sys.argv[1], json.loads(sys.argv[2])
+    if mode == "restart":
+        print(json.dumps(_across_restart(cfg)))
+        return
     if mode == "ranks":
         import torch.multiprocessing as mp
 
         mp.spawn(_rank, args=(cfg,), nprocs=2, join=True)
         return
-    from shardcache import DistributedCachedDataset
-
     try:
-        ds = DistributedCachedDataset(
-            cfg["url"],
-            storage_options=cfg["storage_options"],
-            name=cfg["name"],
-            chunk_samples=2,
-            rank=0,
-            world_size=1,
-            allow_remote=mode == "remote",
-        )
+        ds = _one_rank(cfg, allow_remote=mode == "remote")
     except Exception as exc:  # reported to the test, which checks the type
         print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
         return

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -124,14 +125,13 @@ def _certificate(directory: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-@pytest.fixture
-def worker(tmp_path, redis_url, s3):
-    """The cache worker pod: its own mount namespace, socket on the hostPath."""
-    hostpath = tmp_path / "hostpath"
-    hostpath.mkdir()
-    cert, key = _certificate(tmp_path)
+def _start_worker(tmp_path: Path, redis_url: str, namespace: str, hostpath: Path):
+    """Start the cache worker pod (its own session and mount namespace, socket
+    on the hostPath); returns once a socket it bound is there."""
+    cert, key = tmp_path / "flight.crt", tmp_path / "flight.key"
+    if not cert.exists():
+        _certificate(tmp_path)
     flight_port = free_port()
-    namespace = f"t{uuid.uuid4().hex[:10]}"
     env = _env(
         SHARDCACHE_REDIS_URL=redis_url,
         SHARDCACHE_NAMESPACE=namespace,
@@ -142,46 +142,67 @@ def worker(tmp_path, redis_url, s3):
         SHARDCACHE_BUILD_WORKERS="1",
         SHARDCACHE_FLIGHT_PORT=str(flight_port),
         SHARDCACHE_FLIGHT_TOKEN=TOKEN,
-        SHARDCACHE_FLIGHT_TLS_CERT=str(cert),
-        SHARDCACHE_FLIGHT_TLS_KEY=str(key),
+        # The worker's own /dev/shm (object store and chunk files) and /tmp
+        # (Ray's session directory); the certificate is copied before /tmp is
+        # covered.
+        SHARDCACHE_FLIGHT_TLS_CERT="/dev/shm/flight.crt",
+        SHARDCACHE_FLIGHT_TLS_KEY="/dev/shm/flight.key",
         **{k: v for k, v in os.environ.items() if k.startswith("AWS_")},
     )
-    # The worker's own /dev/shm (object store and chunk files) and /tmp (Ray's
-    # session directory); the certificate is read before /tmp is covered.
     wrapper = [
         "unshare", "-m", "--propagation", "private", "sh", "-c",
         f"mount --bind {hostpath} /mnt && mount -t tmpfs -o size=512m tmpfs /dev/shm "
         f"&& cp {cert} {key} /dev/shm/ && " + " && ".join(_private_tmp()) + ' '
         '&& exec "$0" "$@"',
     ]  # fmt: skip
-    env["SHARDCACHE_FLIGHT_TLS_CERT"] = "/dev/shm/flight.crt"
-    env["SHARDCACHE_FLIGHT_TLS_KEY"] = "/dev/shm/flight.key"
-    log = open(tmp_path / "worker.log", "w")
+    sock = hostpath / "endpoint.sock"
+    stale = sock.stat().st_ino if sock.exists() else None
+    log_path = tmp_path / f"worker-{uuid.uuid4().hex[:6]}.log"
+    log = open(log_path, "w")
+    # A session of its own: a crash is simulated by SIGKILL to the whole group.
     proc = subprocess.Popen(
         [*wrapper, sys.executable, str(HERE / "endpoint_worker.py")],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     deadline = time.monotonic() + 120
-    while not (hostpath / "endpoint.sock").exists():
+    while not (sock.exists() and sock.stat().st_ino != stale):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            pytest.fail((tmp_path / "worker.log").read_text()[-3000:])
+            pytest.fail(log_path.read_text()[-3000:])
         time.sleep(0.2)
-    yield {
+    return {
+        "proc": proc,
         "hostpath": hostpath,
         "namespace": namespace,
         "flight_port": flight_port,
         "cert": cert,
-        "log": tmp_path / "worker.log",
+        "log": log_path,
+        "log_file": log,
     }
+
+
+def _stop_worker(worker: dict) -> None:
+    proc = worker["proc"]
     proc.terminate()
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    worker["log_file"].close()
+
+
+@pytest.fixture
+def worker(tmp_path, redis_url, s3):
+    """The cache worker pod: its own mount namespace, socket on the hostPath."""
+    hostpath = tmp_path / "hostpath"
+    hostpath.mkdir()
+    started = _start_worker(tmp_path, redis_url, f"t{uuid.uuid4().hex[:10]}", hostpath)
+    yield started
+    _stop_worker(started)
 
 
 def _objects(s3fs_client, bucket: str, same_size: bool = False) -> str:
@@ -345,3 +366,64 @@ def test_endpoint_example_torchrun_script_trains_in_a_pod_outside_ray(
         x["samples"] == OBJECTS // 2 and x["bytes"] == 64 * OBJECTS // 2 for x in lines
     )
     assert s3.total_gets == OBJECTS
+
+
+def test_endpoint_rank_reads_on_across_a_cache_worker_crash_and_restart(
+    tmp_path, redis_url, s3, s3fs_client, bucket
+):
+    """The DaemonSet pod is SIGKILLed mid-job (every process of it) and a new
+    one starts on the same hostPath: the training pod keeps its mapped
+    chunks, reconnects, re-registers and reads on, with no error."""
+    hostpath = tmp_path / "hostpath"
+    hostpath.mkdir()
+    namespace = f"t{uuid.uuid4().hex[:10]}"
+    first = _start_worker(tmp_path, redis_url, namespace, hostpath)
+    url = _objects(s3fs_client, bucket)
+    results = tmp_path / "results"
+    results.mkdir()
+    cfg = {"url": url, "storage_options": s3.storage_options(), "name": "restart",
+           "shared": "/srv"}  # fmt: skip
+    env = _env(
+        SHARDCACHE_ENDPOINT="/mnt/endpoint.sock",
+        SHARDCACHE_NODE_NAME="node-a",
+        SHARDCACHE_NAMESPACE=namespace,
+        # Nothing held in the rank: every batch of the second epoch asks the
+        # (new) endpoint, so the restart cannot hide behind the rank's cache.
+        SHARDCACHE_HOLD_BYTES="0",
+    )
+    wrapper, argv, env = _pod("endpoint_job.py", "restart", json.dumps(cfg),
+                              hostpath=hostpath, own_net=True, env=env,
+                              results=results)  # fmt: skip
+    job = subprocess.Popen([*wrapper, *argv], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    second = None
+    try:
+        deadline = time.monotonic() + 180
+        while not (results / "read-once").exists():
+            if job.poll() is not None or time.monotonic() > deadline:
+                job.kill()
+                pytest.fail(f"{job.stdout.read()[-4000:]}\n"
+                            f"{first['log'].read_text()[-3000:]}")  # fmt: skip
+            time.sleep(0.2)
+        assert s3.total_gets == OBJECTS
+        os.killpg(first["proc"].pid, signal.SIGKILL)  # the pod dies, Ray and all
+        first["proc"].wait()
+        first["log_file"].close()
+        # Its socket file stays on the hostPath; the new pod replaces it.
+        assert (hostpath / "endpoint.sock").exists()
+        second = _start_worker(tmp_path, redis_url, namespace, hostpath)
+        (results / "restarted").write_text("")
+        out, _ = job.communicate(timeout=180)
+        assert job.returncode == 0, out[-4000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+        if second is not None:
+            _stop_worker(second)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result.get("error") is None, result
+    for epoch in result["epochs"]:
+        assert epoch["bad"] == 0 and sorted(epoch["seen"]) == list(range(OBJECTS))
+    # The new pod's store started empty: each object was read once more, by it.
+    assert s3.total_gets == 2 * OBJECTS
+    assert all(n == 2 for n in s3.gets.values())
