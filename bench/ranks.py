@@ -334,8 +334,9 @@ def shardcache_dataset(cfg: dict[str, Any], rank: int, world: int, **kw: Any) ->
 
     if cfg.get("format"):  # packed shards, read in place (no conversion step)
         kw.setdefault("format", cfg["format"])
-    if cfg.get("chunk_samples"):
-        kw.setdefault("chunk_samples", cfg["chunk_samples"])
+    for key in ("chunk_samples", "shuffle_block"):
+        if cfg.get(key):
+            kw.setdefault(key, cfg[key])
     preprocess = PREPROCESS_TAR if cfg.get("format") == "tar" else PREPROCESS
     return DistributedCachedDataset(
         kw.pop("urls", cfg["prefix"]),

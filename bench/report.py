@@ -319,7 +319,9 @@ def _scenarios(summary: Summary) -> list[str]:
         "",
         "`lru50`/`static50`/`clairvoyant50`: each node's store holds half of its"
         " share of the values"
-        " (the rank pins nothing); `changed1`: 1% of the objects get a new version"
+        " (the rank holds at most 4 chunks, its shuffle blocks' working set;"
+        " 256-sample chunks of blobs, 64 of images, shuffle blocks of 2 chunks);"
+        " `changed1`: 1% of the objects get a new version"
         " before the last epoch and every rank calls `refresh()`.",
         "",
         *_header(
