@@ -192,14 +192,17 @@ HEALTHZ='import urllib.request as u; u.urlopen("http://127.0.0.1:8365/healthz", 
 wait_for "dashboard" "$POD-dashboard" python -c "$HEALTHZ"
 wait_for "Ray worker node" "$POD-head" python -c \
     'import ray; ray.init(address="127.0.0.1:6379", logging_level="ERROR"); assert len([n for n in ray.nodes() if n["Alive"]]) == 2'
-# The selftest is a Ray driver, and Ray 2.60's ray.init(address=...) joins
-# through a raylet process it can see on its own host (ray._private.services.
-# find_node_ids lists processes). A container with its own PID namespace and no
-# raylet, like the chart's `helm test` pod, fails with "No node info found
-# matching attributes". So it runs in the head's container, as the Ray Jobs API
-# runs an entrypoint.
-podman exec "$POD-head" \
-    shardcache selftest --ray-address 127.0.0.1:6379 --dashboard-url http://127.0.0.1:8365
+# The selftest as the chart's `helm test` pod runs it: a container of its own
+# (its own PID namespace, no raylet) joins the cluster as a zero-CPU node, since
+# a Ray 2.60 driver needs a raylet of its own host, then runs the selftest and
+# leaves. Ports apart from the head's and the worker's: this pod shares one
+# network namespace, where the chart's test pod has its own IP.
+"${RUN[@]}" --rm --name "$POD-test" "${RAY_NODE[@]}" "$CACHE_IMAGE" sh -c \
+    'ray start --address=127.0.0.1:6379 --num-cpus=0 --object-store-memory=100000000 \
+       --node-ip-address=127.0.0.1 --node-manager-port=6384 --object-manager-port=6385 \
+       --min-worker-port=10202 --max-worker-port=10300 --disable-usage-stats >/dev/null \
+     && shardcache selftest --ray-address auto --dashboard-url http://127.0.0.1:8365;
+     rc=$?; ray stop --force >/dev/null 2>&1; exit $rc'
 # Token authentication is on in the image: a driver with a wrong token is refused.
 if refused="$(podman exec -e RAY_AUTH_TOKEN=not-the-token "$POD-head" timeout 120 python -c \
     'import ray; ray.init(address="127.0.0.1:6379", logging_level="ERROR")' 2>&1)"; then
