@@ -55,6 +55,10 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], out: Any) 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
+    # Epoch 1's GETs include the listing's (made at construction): a tar
+    # shard's listing reads it whole and keeps its units for the builds.
+    listing_gets = _emulator_gets(cfg["endpoint"]) if rank == 0 else None
+    dist.barrier()
     ds = DistributedCachedDataset(
         cfg["url"],
         preprocess=decode_shard_image if cfg["format"] == "tar" else decode_image_chw,
@@ -85,6 +89,8 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict[str, Any], out: Any) 
         ds.set_epoch(epoch)
         dist.barrier()
         gets_before = _emulator_gets(cfg["endpoint"]) if rank == 0 else None
+        if epoch == 0 and listing_gets is not None:
+            gets_before = listing_gets
         before = ds.stats()
         started, loss_sum, n = time.perf_counter(), 0.0, 0
         for batch in loader:

@@ -124,6 +124,7 @@ def test_demo_main_job_runs_end_to_end(tmp_path):
 def test_demo_over_webdataset_tar_shards_reads_each_unit_once_then_never(tmp_path):
     out = _demo("--format", "tar")
     assert "as WebDataset tar shards" in out
-    # One shard of one unit: read by one build in epoch 1 (its listing read
-    # came before, at construction); the warm epoch reads nothing.
+    # One shard of one unit, read once in epoch 1 (by the listing at
+    # construction, which keeps the unit for its build); the warm epoch
+    # reads nothing.
     assert "S3 GETs 1" in out and "S3 GETs 0" in out

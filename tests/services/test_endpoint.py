@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -156,7 +157,6 @@ def _start_worker(tmp_path: Path, redis_url: str, namespace: str, hostpath: Path
         '&& exec "$0" "$@"',
     ]  # fmt: skip
     sock = hostpath / "endpoint.sock"
-    stale = sock.stat().st_ino if sock.exists() else None
     log_path = tmp_path / f"worker-{uuid.uuid4().hex[:6]}.log"
     log = open(log_path, "w")
     # A session of its own: a crash is simulated by SIGKILL to the whole group.
@@ -168,7 +168,9 @@ def _start_worker(tmp_path: Path, redis_url: str, namespace: str, hostpath: Path
         start_new_session=True,
     )
     deadline = time.monotonic() + 120
-    while not (sock.exists() and sock.stat().st_ino != stale):
+    # Ready when the socket accepts: a crashed pod's socket file may still be
+    # there (and a new one can reuse its inode number).
+    while not _accepts(sock):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.fail(log_path.read_text()[-3000:])
@@ -182,6 +184,17 @@ def _start_worker(tmp_path: Path, redis_url: str, namespace: str, hostpath: Path
         "log": log_path,
         "log_file": log,
     }
+
+
+def _accepts(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
 def _stop_worker(worker: dict) -> None:
