@@ -67,6 +67,15 @@ class ChunkLayout:
 
     starts: np.ndarray
 
+    @classmethod
+    def from_sizes(cls, sizes: np.ndarray | Sequence[int]) -> ChunkLayout:
+        """The layout of consecutive chunks of ``sizes`` samples.
+
+        >>> ChunkLayout.from_sizes([3, 2]).starts.tolist()
+        [0, 3, 5]
+        """
+        return cls(np.concatenate(([0], np.cumsum(sizes, dtype=np.int64))))
+
     def __len__(self) -> int:
         return len(self.starts) - 1
 

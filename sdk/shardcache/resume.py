@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.chunks import ChunkLayout
 from shardcache.errors import ConfigError
 from shardcache.sharding import (
     assign_chunks,
@@ -202,10 +203,9 @@ def world_orders(
     shards = world_shards(sizes, w, seed, world.get("basis"))
     lens = [len(s) for s in shards]
     num = min(lens) if drop_last else max(lens)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    block = int(world.get("block", 0))
+    layout, block = ChunkLayout.from_sizes(sizes), int(world.get("block", 0))
     return [
-        epoch_order(s, num, seed, e, shuffle, block_samples=block, chunk_starts=starts)
+        epoch_order(s, num, seed, e, shuffle, block_samples=block, layout=layout)
         for s in shards
     ]
 
@@ -325,7 +325,7 @@ def plan_resume(
     rank's node (``None``: no locality preference).
     """
     sizes = np.asarray(sizes, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    layout = ChunkLayout.from_sizes(sizes)
     seed, epoch = int(old["seed"]), int(old["epoch"])
     left, holder = _remaining(sizes, old)
     total = len(left)
@@ -370,8 +370,9 @@ def plan_resume(
         )
         mine = np.sort(mine)
         if old["shuffle"] and old.get("block"):  # the same chunk blocks as before
-            chunk_ids = np.searchsorted(starts, mine, side="right") - 1
-            mine = block_shuffle(mine, chunk_ids, int(old["block"]), [*rng_key, r])
+            mine = block_shuffle(
+                mine, layout.chunk_of(mine), int(old["block"]), [*rng_key, r]
+            )
         elif old["shuffle"]:
             np.random.default_rng([*rng_key, r]).shuffle(mine)
         orders.append(mine)

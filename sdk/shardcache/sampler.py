@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
+from shardcache.chunks import ChunkLayout
 from shardcache.errors import ConfigError
 from shardcache.resume import (
     STATE_VERSION,
@@ -116,9 +117,7 @@ class ShardSampler(Sampler[int]):
         self.shuffle = shuffle is not False
         self.seed, self.drop_last = int(seed), drop_last
         self.block = int(shuffle_block)
-        self._starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(
-            np.int64
-        )
+        self._layout = ChunkLayout.from_sizes(self.sizes)
         self.epoch = 0
         self._skip = 0
         self._yielded = 0
@@ -188,7 +187,7 @@ class ShardSampler(Sampler[int]):
             e,
             self.shuffle,
             block_samples=self.block,
-            chunk_starts=self._starts,
+            layout=self._layout,
         )
 
     # -- resume ---------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.chunks import ChunkLayout
 from shardcache.errors import ConfigError
 
 __all__ = [
@@ -180,24 +181,25 @@ def epoch_order(
     shuffle: bool,
     *,
     block_samples: int = 0,
-    chunk_starts: np.ndarray | None = None,
+    layout: ChunkLayout | None = None,
 ) -> np.ndarray:
     """This rank's sample order for one epoch, exactly ``num_samples`` long.
 
     The order is reshuffled from ``(seed, epoch)``; a shard shorter than
     ``num_samples`` is padded with its own samples (so padding stays local).
-    With ``block_samples`` (and the layout's ``chunk_starts``) the shuffle is
-    by chunk blocks (:func:`block_shuffle`).
+    With ``block_samples`` (and the chunk ``layout``) the shuffle is by chunk
+    blocks (:func:`block_shuffle`).
 
     >>> epoch_order(np.arange(6), 6, 0, 0, False).tolist()
     [0, 1, 2, 3, 4, 5]
     """
     order = shard.copy()
     if shuffle and block_samples:
-        if chunk_starts is None:
-            raise ValueError("block_samples needs the layout's chunk_starts")
-        chunk_ids = np.searchsorted(chunk_starts, order, side="right") - 1
-        order = block_shuffle(order, chunk_ids, block_samples, [seed, epoch])
+        if layout is None:
+            raise ValueError("block_samples needs the chunk layout")
+        order = block_shuffle(
+            order, layout.chunk_of(order), block_samples, [seed, epoch]
+        )
     elif shuffle:
         np.random.default_rng([seed, epoch]).shuffle(order)
     if len(order) >= num_samples:

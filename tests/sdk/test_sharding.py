@@ -3,6 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from shardcache.chunks import ChunkLayout
 from shardcache.errors import ConfigError
 from shardcache.sampler import ShardSampler
 from shardcache.sharding import assign_chunks, assign_shards, epoch_order, global_order
@@ -132,10 +133,10 @@ def test_block_shuffle_reads_each_chunk_once_where_a_full_shuffle_thrashes():
     # One rank's shard: 16 chunks of 64; its node's cache holds 4 chunks.
     chunks = np.repeat(np.arange(16), 64)
     shard = np.arange(len(chunks))
-    starts = np.arange(16) * 64
+    layout = ChunkLayout.from_sizes([64] * 16)
     full = epoch_order(shard, len(shard), 3, 1, True)
     blocks = epoch_order(
-        shard, len(shard), 3, 1, True, block_samples=128, chunk_starts=starts
+        shard, len(shard), 3, 1, True, block_samples=128, layout=layout
     )
     assert sorted(blocks.tolist()) == shard.tolist()  # a permutation
     assert _chunk_loads(blocks, 64, 4) == 16  # every chunk once an epoch
@@ -145,12 +146,8 @@ def test_block_shuffle_reads_each_chunk_once_where_a_full_shuffle_thrashes():
     assert all(len(s) == 2 for s in per_block)
     assert [sorted(s) for s in per_block] != [[2 * b, 2 * b + 1] for b in range(8)]
     # Reshuffled per epoch, the same for the same (seed, epoch).
-    again = epoch_order(
-        shard, len(shard), 3, 1, True, block_samples=128, chunk_starts=starts
-    )
-    other = epoch_order(
-        shard, len(shard), 3, 2, True, block_samples=128, chunk_starts=starts
-    )
+    again = epoch_order(shard, len(shard), 3, 1, True, block_samples=128, layout=layout)
+    other = epoch_order(shard, len(shard), 3, 2, True, block_samples=128, layout=layout)
     assert np.array_equal(blocks, again) and not np.array_equal(blocks, other)
 
 
