@@ -1,0 +1,117 @@
+"""The user's path: README snippets run as a user runs them.
+
+Every test here starts a script file the way the README shows it:
+``python -m torch.distributed.run --nproc_per_node=2 train.py`` (or plain
+``python train.py``) with the default environment: no ``--rdzv-id`` (so
+torchrun's run id is ``none`` in the static form), no ``job=``, no
+``close()``, embedded defaults (``redis_url=None``, ``ray_address=None``).
+Each test gets a HOME of its own in the state a user's machine is in after
+``scripts/demo.sh`` has run once: ``~/.ray/auth_token`` exists (any local
+``ray.init()`` writes it), and nothing of the demo is left running. At the
+end, ``shardcache local stop`` under that HOME stops what the scripts
+started. The S3 source is the session's moto server, reached through the
+``storage_options`` the README shows.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from shardcache.embedded import free_port
+
+pytestmark = [pytest.mark.slow]
+
+SCRIPT_TIMEOUT_S = 240  # a script's whole run, Ray head start included
+
+
+@dataclass
+class UserMachine:
+    """A user's machine: a HOME of its own, and a way to run their scripts."""
+
+    home: Path
+    workdir: Path
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment a user's shell has: HOME, PATH with the venv, AWS
+        test credentials; nothing shardcache- or torchrun-specific."""
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("SHARDCACHE_", "TORCHELASTIC_", "RAY_"))
+            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                          "MASTER_PORT", "PYTEST_CURRENT_TEST")
+        }  # fmt: skip
+        env["HOME"] = str(self.home)
+        env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+        env.update(
+            AWS_ACCESS_KEY_ID="testing",
+            AWS_SECRET_ACCESS_KEY="testing",
+            AWS_DEFAULT_REGION="us-east-1",
+        )
+        return env
+
+    def write(self, name: str, source: str) -> Path:
+        """A script file in the user's working directory."""
+        path = self.workdir / name
+        path.write_text(textwrap.dedent(source))
+        return path
+
+    def python(
+        self, *args: str, timeout: int = SCRIPT_TIMEOUT_S, env: dict | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, *args],
+            cwd=self.workdir,
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def torchrun(
+        self, script: Path | str, *args: str, nproc: int = 2, **kw
+    ) -> subprocess.CompletedProcess[str]:
+        """``python -m torch.distributed.run --nproc_per_node=N script``: the
+        static form a multi-node launch uses (run id ``none``), on a free
+        master port so consecutive jobs never share a store."""
+        return self.python(
+            "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+            str(script), *args, **kw,
+        )  # fmt: skip
+
+    def shardcache(self, *args: str, **kw) -> subprocess.CompletedProcess[str]:
+        return self.python("-m", "shardcache_server.cli", *args, **kw)
+
+
+def after_the_demo(home: Path) -> None:
+    """What ``scripts/demo.sh`` leaves behind on a user's machine: Ray's
+    token file (its local ``ray.init()`` wrote it) and nothing running."""
+    ray_dir = home / ".ray"
+    ray_dir.mkdir(parents=True, exist_ok=True)
+    token = ray_dir / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+
+
+@pytest.fixture
+def user(tmp_path: Path) -> Iterator[UserMachine]:
+    """A user's machine after the demo ran once; stops what the scripts started."""
+    home = tmp_path / "home"
+    home.mkdir()
+    after_the_demo(home)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    machine = UserMachine(home, workdir)
+    yield machine
+    machine.shardcache("local", "stop", timeout=60)
