@@ -7,7 +7,6 @@ import os
 import re
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -45,9 +44,6 @@ __all__ = ["DistributedCachedDataset"]
 RANK_REPORT_EVERY = 50  # batches between best-effort rank reports to Redis
 DEFAULT_DATASET_CHUNK_SAMPLES = 256  # from_dataset: sample sizes are unknown at listing
 CONSISTENCY_MODES = ("epoch", "batch")  # when a rank picks up a new generation
-# Arrays from the Ray object store are read-only views of shared memory; torch
-# warns about each one. The dataset documents the contract instead.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 
 def default_name(urls: str | Sequence[str]) -> str:

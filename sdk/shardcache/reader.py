@@ -190,17 +190,25 @@ class ChunkReader:
         return x, torch.from_numpy(targets)
 
     def sample(self, chunk: Chunk, row: int, index: int) -> Any:
-        """One sample as zero-copy tensors (read-only views of the object store)."""
+        """One sample as tensors the caller owns (copies of the cached rows).
+
+        The chunk's columns are views of shared memory that every process of
+        the node maps, and ``torch.from_numpy`` ignores numpy's read-only
+        flag: a view handed out here would let one in-place op (``x.mul_``
+        in a transform) change what every other reader gets. One copy per
+        sample is the price (a memcpy plus ~1 us of dispatch; BENCHMARKS.md
+        "Read-only samples"); ``collate`` pays no extra, it copies anyway.
+        """
         self._raise_failed([chunk], [row], np.array([index]))
         value = chunk.sample(row)
         x = (
-            {k: torch.from_numpy(v) for k, v in value.items()}
+            {k: _owned(v) for k, v in value.items()}
             if isinstance(value, dict)
-            else torch.from_numpy(value)
+            else _owned(value)
         )
         if chunk.targets is None:
             return x
-        return x, torch.from_numpy(np.asarray(chunk.targets[row]))
+        return x, _owned(np.asarray(chunk.targets[row]))
 
     def _gather_field(
         self, in_batch: list[Chunk], rows: list[int], field: str, pin_memory: bool
@@ -209,9 +217,7 @@ class ChunkReader:
         probe = in_batch[0].field(field, rows[0])
         out = torch.empty(
             (len(rows), *shape),
-            dtype=torch.from_numpy(
-                probe[:0] if probe.ndim else probe.reshape(1)[:0]
-            ).dtype,
+            dtype=torch.from_numpy(np.empty(0, dtype=probe.dtype)).dtype,
             pin_memory=pin_memory,
         )
         gather(in_batch, rows, field, out.numpy())
@@ -334,6 +340,11 @@ class ChunkReader:
     @property
     def held_bytes(self) -> int:
         return self._held_bytes
+
+
+def _owned(view: np.ndarray) -> torch.Tensor:
+    """A tensor of the caller's own: a copy of a (read-only, shared) view."""
+    return torch.from_numpy(np.array(view, copy=True))
 
 
 def _per_chunk(chunk_ids: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int, int]]:
