@@ -26,6 +26,8 @@ from shardcache.errors import (
     TransformError,
 )
 from shardcache.fingerprint import fingerprint
+from shardcache.flusher import at_exit, keep_flushed
+from shardcache.job import resolve_job
 from shardcache.keys import validate_name
 from shardcache.loader import BatchLoader
 from shardcache.manifest import Manifest
@@ -34,7 +36,7 @@ from shardcache.reader import ChunkReader
 from shardcache.resume import apply_state, current_node, gather_states, merge_states
 from shardcache.sampler import ShardSampler
 from shardcache.source import open_remote
-from shardcache.usage import FLUSH_INTERVAL_S, ORIGINS, UsageReader, UsageReporter
+from shardcache.usage import ORIGINS, UsageReader, UsageReporter
 from shardcache.waits import WaitRecorder
 from shardcache.warmup import warm_chunks
 from shardcache.world import World
@@ -44,6 +46,30 @@ __all__ = ["DistributedCachedDataset"]
 RANK_REPORT_EVERY = 50  # batches between best-effort rank reports to Redis
 DEFAULT_DATASET_CHUNK_SAMPLES = 256  # from_dataset: sample sizes are unknown at listing
 CONSISTENCY_MODES = ("epoch", "batch")  # when a rank picks up a new generation
+REVALIDATE_MODES = ("job", "never")  # or a number: seconds a listing stays fresh
+
+
+def _open_token(revalidate: str | float, job: str) -> str:
+    """The listing token a new dataset sends (``listing.py``): one listing per
+    job, none at all, or one no older than N seconds.
+
+    >>> _open_token("job", "abc"), _open_token("never", "abc"), _open_token(600, "x")
+    ('open/abc', '', 'max-age/600.0')
+    """
+    if revalidate == "job":
+        return f"open/{job}"
+    if revalidate == "never":
+        return ""
+    if (
+        isinstance(revalidate, int | float)
+        and not isinstance(revalidate, bool)
+        and revalidate > 0
+    ):
+        return f"max-age/{float(revalidate)}"
+    raise ConfigError(
+        f"revalidate must be 'job', 'never' or a number of seconds > 0, got "
+        f"{revalidate!r}."
+    )
 
 
 def default_name(urls: str | Sequence[str]) -> str:
@@ -153,6 +179,22 @@ class DistributedCachedDataset(Dataset[Any]):
             ``None`` (the whole shard).
         seed, drop_last: as for DistributedSampler.
         prefetch_batches: batches whose chunks are resolved ahead.
+        revalidate: when a new job re-lists the source. ``"job"`` (the
+            default): once per job, when its ranks construct the dataset
+            (one listing answers all of them; objects whose ETag changed
+            are re-read, nothing else). ``"never"``: start on the listing
+            the cluster already holds (lists only when it holds none), for
+            huge immutable datasets. A number N: reuse a listing begun less
+            than N seconds ago. A listing costs one LIST request per 1,000
+            keys on S3: about 10,000 sequential requests, minutes, for 10M
+            objects; packed sources list files, not samples. If the source
+            cannot be listed the job stops with the listing's error unless
+            ``"never"`` finds a listing to start on.
+        job: this run's id on the dashboard and for the listing above.
+            Defaults to ``SHARDCACHE_JOB``, then the launcher's run id
+            (Ray Train, torchrun), then one id made by the first rank and
+            shared through torchrun's or the process group's store: two
+            runs of one script are two jobs (``shardcache.job``).
         consistency: ``"epoch"`` (the default) reads the generation once at
             ``set_epoch``, so an invalidation from elsewhere mid-epoch takes
             effect at the next epoch and the rank finishes on the bytes it
@@ -200,6 +242,7 @@ class DistributedCachedDataset(Dataset[Any]):
         source_dataset: Any = None,
         source_version: str | None = None,
         allow_remote: bool | None = None,
+        revalidate: str | float = "job",
     ):
         for label, fn in (
             ("preprocess", preprocess),
@@ -250,12 +293,11 @@ class DistributedCachedDataset(Dataset[Any]):
         self.preprocess = preprocess or (as_arrays if self.format else raw_bytes)
         self.transform = transform
         self.target = target
-        self.job = (
-            job
-            or os.environ.get("TORCHELASTIC_RUN_ID")
-            or os.environ.get("SHARDCACHE_JOB")
-            or "job"
-        )
+        open_token = _open_token(revalidate, "")  # validated before any I/O
+        self._job = resolve_job(job)
+        self.job = self._job.id
+        if open_token:
+            open_token = _open_token(revalidate, self.job)
         self._spec = {
             "name": self.name,
             "urls": urls if isinstance(urls, str) else list(urls),
@@ -285,7 +327,7 @@ class DistributedCachedDataset(Dataset[Any]):
                 "the cache's Ray nodes); pods reading through the node-local endpoint "
                 "or remotely can read packed files (format=) instead."
             )
-        ref, self.digest = self._client.manifest(self._spec)
+        ref, self.digest = self._client.manifest(self._spec, open_token)
         self.manifest = self._map_manifest(ref)
         self._sampler = ShardSampler(
             self.manifest.layout.sizes(),
@@ -412,7 +454,8 @@ class DistributedCachedDataset(Dataset[Any]):
             self.rank,
             redis_url=self._client.redis_url if self.config.redis_url else "",
         )
-        self._usage_flushed_at = time.monotonic()
+        keep_flushed(self._usage)
+        at_exit(self._final_report)
 
     @property
     def usage_reporter(self) -> UsageReporter:
@@ -604,9 +647,6 @@ class DistributedCachedDataset(Dataset[Any]):
             if delta[origin]:
                 self._usage.served(origin, delta[origin], delta[f"{origin}_bytes"])
         self._usage.waited(waited, self._sampler.epoch)
-        if time.monotonic() - self._usage_flushed_at >= FLUSH_INTERVAL_S:
-            self._usage_flushed_at = time.monotonic()
-            reader.submit(self._usage.flush)
         n = len(idx)
         self._counts["samples"] += n
         self._consumed += n
@@ -621,7 +661,12 @@ class DistributedCachedDataset(Dataset[Any]):
             whole = self._waits.batches == 1 and not reader.saw_uncached
             span = len(order) if whole else window
             reader.prefetch(order[self._cursor : self._cursor + span])
-        if self._waits.batches % RANK_REPORT_EVERY == 0:
+        if self._cursor >= len(self._sampler):
+            # The rank's share of the epoch is delivered: its numbers go out
+            # now, not whenever the next epoch (or the exit) comes.
+            reader.submit(self._usage.flush)
+            self._report_rank(in_background=True)
+        elif self._waits.batches % RANK_REPORT_EVERY == 0:
             self._report_rank(in_background=True)
 
     def _call_transform(self, idx: int, sample: Any) -> Any:
@@ -657,6 +702,11 @@ class DistributedCachedDataset(Dataset[Any]):
         out: dict[str, Any] = {
             "rank": self.rank,
             "dataset": self.name,
+            "job": self.job,
+            "job_source": self._job.source,
+            # The counters below are this process's; DataLoader workers count
+            # (and report) their own: "job_totals" is every process of the job.
+            "counts": "this process",
             "generation": self.generation,
             **self._counts,
             "batches": self._waits.batches,
@@ -670,9 +720,11 @@ class DistributedCachedDataset(Dataset[Any]):
         out["hit_rate"] = out["hits"] / total if total else 0.0
         try:
             reader = UsageReader(self._client.index.client, self.config.namespace)
+            self._usage.flush()  # so job_totals include this process's last batch
             out["cluster"] = reader.totals(self.name).as_dict()
+            out["job_totals"] = reader.job_totals(self.name, self.job).as_dict()
         except IndexUnavailable:
-            out["cluster"] = None
+            out["cluster"] = out["job_totals"] = None
         return out
 
     def _report_rank(self, in_background: bool = False) -> None:
@@ -870,9 +922,26 @@ class DistributedCachedDataset(Dataset[Any]):
                 out[owner] = out.get(owner, 0) + n
         return out
 
+    def _final_report(self) -> None:
+        """At process exit (``shardcache.flusher``): the last rank report;
+        the usage counts are flushed right after."""
+        if self._pid == os.getpid():
+            self._report_rank()
+
     def close(self) -> None:
-        """Report final stats and stop the prefetch threads."""
+        """Report final stats and stop the prefetch threads.
+
+        Never required for the numbers to be right: they are flushed every
+        second and at process exit. ``with DistributedCachedDataset(...) as
+        ds:`` calls it.
+        """
         self._report_rank()
         if self._reader is not None:
             self._reader.close()
         self._usage.close()
+
+    def __enter__(self) -> DistributedCachedDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -254,7 +254,13 @@ class ChunkReader:
                 out[c] = chunk
                 if not current:
                     continue
-                self._origin[c] = _origin(status)
+                # A chunk read from the source in this epoch counts as
+                # source for the whole epoch, even when a later call finds
+                # it in the store (a prefetch built it, or hold_bytes=0
+                # keeps nothing): a hit means "not read from the source in
+                # this epoch", as a user reads it.
+                if self._origin.get(c) != "source":
+                    self._origin[c] = _origin(status)
                 if (
                     status != "uncached"
                     and self._held_bytes + chunk.nbytes <= self.hold_bytes

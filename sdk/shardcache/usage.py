@@ -23,9 +23,11 @@ Contract for the rank (``DistributedCachedDataset``), one reporter per process
     # On the training path, in memory only (no I/O; measured ~0.8 us a call):
     reporter.served(origin, samples, nbytes)  # per batch and origin, in __getitems__
     reporter.waited(seconds, epoch)           # per batch, beside WaitRecorder.record
-    # On the background thread, every FLUSH_INTERVAL_S (1 s):
+    # Once per process (a spawned DataLoader worker included):
+    keep_flushed(reporter)  # shardcache.flusher: a daemon thread flushes it every
+    # FLUSH_INTERVAL_S and the process's exit (normal, or after an uncaught
+    # exception) once more: no close() is needed for the numbers to be right.
     reporter.flush()   # one round trip; False when Redis is down (kept, retried)
-    # In close():
     reporter.close()   # final flush; returns the samples it could not report
 
 Expose it as ``DistributedCachedDataset.usage_reporter`` (a property); the
@@ -66,6 +68,7 @@ from shardcache.index import SERIES_BUCKET_S, SERIES_TTL_S, map_redis_errors
 
 __all__ = [
     "FLUSH_INTERVAL_S",
+
     "ORIGINS",
     "RankUsage",
     "UsageReader",
@@ -357,6 +360,12 @@ class UsageReporter:
         )
         return current + pending
 
+    @property
+    def has_rank_counts(self) -> bool:
+        """Per-epoch wait time not yet written (no samples to go with it)."""
+        with self._lock:
+            return bool(self._rank_only)
+
     # -- background thread --------------------------------------------------------
     def flush(self, *, force: bool = False) -> bool:
         """Write everything counted so far in one round trip.
@@ -518,6 +527,18 @@ class UsageReader:
         return {
             ds: UsageTotals.from_hash(r) for ds, r in zip(datasets, rows, strict=True)
         }
+
+    def job_totals(self, dataset: str, job: str) -> UsageTotals:
+        """What every process of one job (ranks and their DataLoader workers)
+        reported for ``dataset``.
+
+        Raises:
+            IndexUnavailable: Redis is unreachable.
+        """
+        with map_redis_errors(self._url):
+            return UsageTotals.from_hash(
+                self.client.hgetall(keys.usage_job_key(self.ns, dataset, job))
+            )
 
     def jobs(self, dataset: str, limit: int = JOBS_SHOWN) -> dict[str, UsageTotals]:
         """The ``limit`` most recently reporting jobs and their totals, newest first."""
