@@ -132,7 +132,7 @@ def test_a_new_job_reads_changed_objects_and_reports_without_close(
 
     first = _run_job(user, script, url, options, user.workdir / "first")
     assert s3.total_gets == OBJECTS  # each object once, 3 epochs x 2 ranks
-    assert sorted(k for r in first for k in r["seen"]) == [str(i) for i in range(OBJECTS)]
+    assert sorted(int(k) for r in first for k in r["seen"]) == list(range(OBJECTS))
     assert all(r["misses"] == OBJECTS // 2 and r["hits"] == OBJECTS for r in first)
     assert first[0]["job"] == first[1]["job"] and first[0]["job"] != "none"
 
