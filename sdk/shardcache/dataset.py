@@ -462,6 +462,7 @@ class DistributedCachedDataset(Dataset[Any]):
             self.digest,
             self.config.hold_bytes,
             self.config.request_timeout_s,
+            self.config.verify_reads,
         )
         self._attached = True
         return self._reader

@@ -354,6 +354,21 @@ class ProxyClient:
         self._names[spec["name"]] = (spec, names)
         self.call("register_dataset", spec=spec, **names)
 
+    def drop_corrupt(
+        self, name: str, generation: int, chunk: str, version: str
+    ) -> bool:
+        """Tell the cache worker that ``chunk`` fails its checksum here: it
+        drops its file and the store's copy, so the next ``get`` rebuilds it."""
+        return bool(
+            self.call(
+                "drop_corrupt",
+                name=name,
+                generation=generation,
+                chunk=chunk,
+                version=version,
+            )
+        )
+
     def resolve(
         self,
         name: str,

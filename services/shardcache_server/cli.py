@@ -286,14 +286,18 @@ def list_datasets(redis_url: str = RedisOpt, namespace: str = NamespaceOpt) -> N
 @app.command()
 def verify(
     name: str,
+    repair: bool = typer.Option(
+        False, "--repair", help="drop and rebuild (once) chunks failing their checksum"
+    ),
     redis_url: str = RedisOpt,
     namespace: str = NamespaceOpt,
     ray_address: str = typer.Option(None, envvar="RAY_ADDRESS"),
 ) -> None:
-    """Check that the index and the stores agree for a dataset (exit 1 if not)."""
+    """Check that the index and the stores agree for a dataset and that every
+    cached chunk's contents match its checksum (exit 1 if not)."""
     from shardcache.embedded import attach_ray
     from shardcache_server.cluster import alive_nodes, store_for_node
-    from shardcache_server.verify import check_agreement
+    from shardcache_server.verify import check_agreement, check_contents
 
     with _friendly_errors():
         index = _index(redis_url, namespace)
@@ -303,13 +307,21 @@ def verify(
             for n in alive_nodes()
             if (h := store_for_node(namespace, n)) is not None
         }
+        corrupt, checked, repaired = check_contents(handles, name, repair)
         problems = check_agreement(index, handles, name)
     for p in problems:
         console.print(f"[red]mismatch:[/] {p}")
+    for p in corrupt:
+        console.print(f"[red]corrupt:[/] {p}")
+    for p in repaired:
+        console.print(f"[green]repaired:[/] {p}")
+    hint = "" if repair or not corrupt else " (run with --repair to rebuild them)"
     console.print(
-        f"{name}: {len(problems)} mismatch(es) across {len(handles)} store(s)"
+        f"{name}: {len(problems)} mismatch(es) across {len(handles)} store(s); "
+        f"{len(corrupt)} corrupt chunk(s) of {checked} checked{hint}"
+        + (f", {len(repaired)} repaired" if repair else "")
     )
-    raise typer.Exit(1 if problems else 0)
+    raise typer.Exit(1 if problems or corrupt else 0)
 
 
 @app.command()
