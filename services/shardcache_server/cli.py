@@ -69,11 +69,45 @@ def _storage_options(endpoint_url: str | None, options: list[str]) -> dict[str, 
     return out
 
 
+def _format_options(options: list[str]) -> dict[str, Any]:
+    import json
+
+    out: dict[str, Any] = {}
+    for opt in options:
+        key, sep, value = opt.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--format-option must be KEY=VALUE, got {opt!r}")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value  # a plain string
+    return out
+
+
 @app.command()
 def warm(
-    url: str = typer.Argument(..., help="fsspec prefix, glob or object URL"),
+    url: str = typer.Argument(
+        None, help="fsspec prefix, glob or object URL (or --like NAME)"
+    ),
     preprocess: str = typer.Option(
-        "raw", help="named preprocess (raw, decode_image, decode_image_chw)"
+        None,
+        help="the job's preprocess: raw, decode_image, decode_image_chw, or "
+        "module:function; default: the job's default for the URL",
+    ),
+    target: str = typer.Option(None, help="the job's target, as module:function"),
+    format: str = typer.Option(  # noqa: A002
+        None, "--format", help="the job's format= (tar, parquet, hdf5, lmdb, npy)"
+    ),
+    format_option: list[str] = typer.Option(
+        [], "--format-option", help="KEY=VALUE (JSON value) of the job's format_options"
+    ),
+    like: str = typer.Option(
+        None, "--like", help="copy the spec a job registered dataset NAME with"
+    ),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="start a new generation if the spec differs from the cached one",
     ),
     name: str = typer.Option(None, help="dataset name; default derived from URL"),
     endpoint_url: str = typer.Option(None, help="S3 endpoint (e.g. a local emulator)"),
@@ -134,6 +168,11 @@ def warm(
             epoch=epoch,
             shuffle=modes[shuffle],
             rank_nodes=rank_node or None,
+            target=target,
+            fmt=format,
+            format_options=_format_options(format_option),
+            like=like,
+            force=force,
         )
     if steps is not None:
         console.print(

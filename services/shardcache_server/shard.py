@@ -90,6 +90,7 @@ class _Dataset:
     target: Callable[[str], Any] | None = None
     urls: Any = ""  # the source (prefix, glob or list), to list it again
     source: Any = None  # a user's map-style Dataset (``from_dataset``), via Ray
+    spec: dict[str, Any] | None = None  # as registered (``warm --like`` copies it)
 
 
 class CacheShard:
@@ -240,8 +241,17 @@ class CacheShard:
             target,
             spec.get("urls", ""),
             spec.get("source_object"),
+            {k: v for k, v in spec.items() if k not in ("order", "source_object")},
         )
         return self._generation[name]
+
+    async def registered(self, dataset: str) -> list[Any]:
+        """``[spec, preprocess, target]`` of ``dataset`` as a job registered it
+        here, or ``[]``: ``shardcache warm --like`` warms with exactly that."""
+        ds = self._datasets.get(dataset)
+        if ds is None or ds.spec is None:
+            return []
+        return [dict(ds.spec), ds.preprocess, ds.target]
 
     async def manifest(
         self, spec: dict[str, Any], token: str = "", *, forwarded: bool = False
