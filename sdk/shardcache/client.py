@@ -189,6 +189,23 @@ class CacheClient:
             (status, value) for (status, _), value in zip(results, values, strict=True)
         ]
 
+    def drop_corrupt(
+        self, name: str, generation: int, chunk: str, version: str
+    ) -> bool:
+        """Tell the stores that ``chunk`` fails its checksum: its holder drops
+        it, so the next request builds it again. True if a store dropped it."""
+        import ray
+
+        self.attach()
+        return bool(
+            self._call(
+                lambda: ray.get(
+                    self._store.drop_corrupt.remote(name, generation, chunk),
+                    timeout=self.config.request_timeout_s,
+                )
+            )
+        )
+
     def register(
         self,
         spec: DatasetSpec,

@@ -25,13 +25,14 @@ from shardcache.errors import (
     StaleVersionError,
     TransformError,
 )
-from shardcache.fingerprint import fingerprint
+from shardcache.fingerprint import dataset_fingerprint, fingerprint, log_new_generation
 from shardcache.flusher import at_exit, keep_flushed
 from shardcache.job import resolve_job
 from shardcache.keys import validate_name
 from shardcache.loader import BatchLoader
 from shardcache.manifest import Manifest
-from shardcache.packed_manifest import PackedManifest, format_of
+from shardcache.packed_manifest import PackedManifest, format_of, objects_preprocess
+from shardcache.picklability import check_picklable
 from shardcache.reader import ChunkReader
 from shardcache.resume import apply_state, current_node, gather_states, merge_states
 from shardcache.sampler import ShardSampler
@@ -128,8 +129,14 @@ class DistributedCachedDataset(Dataset[Any]):
     What to read:
         urls: an fsspec prefix, glob, or list of object URLs.
         preprocess: deterministic ``bytes -> array | tensor | dict`` run once per
-            object on the cluster. Its fingerprint versions the cache.
-            Defaults to the raw bytes as uint8.
+            object on the cluster. Its fingerprint (its code, bound values and
+            the globals it reads, never memory addresses) versions the cache.
+            Defaults to the raw bytes as uint8 (``.npy`` objects: their array).
+            Checked for picklability here: a ``ConfigError`` names the member
+            that cannot travel to the cluster.
+        version: your own version of the preprocessing; when set it replaces
+            the fingerprint, so only changing it starts a new cache
+            generation. Defaults to ``None`` (the fingerprint decides).
         transform: per-sample augmentation on the rank, after the cache (a
             Python call per sample: prefer batch-wise augmentation on the
             collated tensor for small samples).
@@ -146,6 +153,11 @@ class DistributedCachedDataset(Dataset[Any]):
             in place with no conversion: many samples per file, the stores
             open the files and ranks never do. Defaults to the format the
             URL's extension names (``*.tar``...), else one object per sample.
+            A ``.npy`` file holds one sample or many rows, so only a single
+            ``.npy`` URL reads rows; a glob, list or prefix of ``.npy`` files
+            reads one sample per file, all three alike (``format="npy"`` for
+            rows). A prefix listing only tar/Parquet/HDF5/LMDB files is a
+            ``ConfigError`` asking for ``format=``.
             Packed samples are bytes (tar: ``{ext: bytes}``), rows (Parquet:
             ``{column: value}``) or arrays (HDF5, .npy); ``preprocess`` may
             take ``(sample, key)`` and defaults to converting them to arrays.
@@ -242,6 +254,7 @@ class DistributedCachedDataset(Dataset[Any]):
         source_dataset: Any = None,
         source_version: str | None = None,
         allow_remote: bool | None = None,
+        version: str | None = None,
         revalidate: str | float = "job",
     ):
         for label, fn in (
@@ -253,6 +266,7 @@ class DistributedCachedDataset(Dataset[Any]):
                 raise ConfigError(
                     f"{label} must be callable or None, got {type(fn).__name__}."
                 )
+            check_picklable(fn, label)
         if consistency not in CONSISTENCY_MODES:
             raise ConfigError(
                 f"consistency must be one of {', '.join(map(repr, CONSISTENCY_MODES))}, "
@@ -316,9 +330,6 @@ class DistributedCachedDataset(Dataset[Any]):
                 source_object=source_dataset,
                 source_version=source_version or "",
             )
-        self.fingerprint = fingerprint(self.preprocess) + (
-            f"+target:{fingerprint(target)}" if target is not None else ""
-        )
         self._client = open_client(self.config)
         if source_dataset is not None and not isinstance(self._client, CacheClient):
             raise ConfigError(
@@ -329,6 +340,12 @@ class DistributedCachedDataset(Dataset[Any]):
             )
         ref, self.digest = self._client.manifest(self._spec, open_token)
         self.manifest = self._map_manifest(ref)
+        if self.format is None and preprocess is None and source_dataset is None:
+            # One reading whether the objects came from a prefix, a glob or a
+            # list: the listed files' extension picks the default preprocess.
+            probe = [self.manifest.url(i) for i in range(min(64, len(self.manifest)))]
+            self.preprocess = objects_preprocess(probe, urls) or raw_bytes
+        self.fingerprint = dataset_fingerprint(self.preprocess, target, version)
         self._sampler = ShardSampler(
             self.manifest.layout.sizes(),
             self.rank,
@@ -399,13 +416,23 @@ class DistributedCachedDataset(Dataset[Any]):
 
     def _register_in_index(self) -> int:
         source = self.urls if isinstance(self.urls, str) else f"{len(self.urls)} urls"
-        return self._client.index.register(
+        generation, previous = self._client.index.register_change(
             self.name,
             source,
             self.fingerprint,
             len(self.manifest),
             self.manifest.total_bytes,
         )
+        if previous is not None:
+            log_new_generation(
+                self.name,
+                previous,
+                self.fingerprint,
+                generation,
+                self.manifest,
+                {"preprocess": self.preprocess, "target": self.target},
+            )
+        return generation
 
     def _store_spec(self) -> dict[str, Any]:
         return {
@@ -501,6 +528,7 @@ class DistributedCachedDataset(Dataset[Any]):
             self.digest,
             self.config.hold_bytes,
             self.config.request_timeout_s,
+            self.config.verify_reads,
         )
         self._attached = True
         return self._reader

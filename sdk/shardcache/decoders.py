@@ -12,12 +12,28 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["as_arrays", "decode_image", "decode_image_chw", "raw_bytes"]
+__all__ = [
+    "as_arrays",
+    "decode_image",
+    "decode_image_chw",
+    "decode_npy",
+    "raw_bytes",
+]
 
 
 def raw_bytes(data: bytes) -> np.ndarray:
     """The object's bytes as a uint8 array (the default preprocess)."""
     return np.frombuffer(data, dtype=np.uint8).copy()
+
+
+def decode_npy(data: bytes) -> np.ndarray:
+    """One ``.npy`` file as its array (the default for per-sample .npy objects).
+
+    >>> buf = io.BytesIO(); np.save(buf, np.zeros((3, 2), np.float32))
+    >>> decode_npy(buf.getvalue()).shape
+    (3, 2)
+    """
+    return np.load(io.BytesIO(data), allow_pickle=False)
 
 
 def decode_image(data: bytes) -> np.ndarray:

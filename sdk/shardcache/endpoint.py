@@ -72,7 +72,14 @@ DEFAULT_SOCKET = "/var/run/shardcache/endpoint.sock"  # the chart's hostPath mou
 MAX_FRAME_BYTES = 64 * 2**20  # a frame is control JSON; chunk bytes never travel in it
 MAX_FDS_PER_FRAME = 128  # below SCM_MAX_FD (253); a larger request is split
 _LENGTH = struct.Struct(">I")
-INDEX_OPS = ("register", "generation", "invalidate", "record_rank", "entries")
+INDEX_OPS = (
+    "register",
+    "register_change",
+    "generation",
+    "invalidate",
+    "record_rank",
+    "entries",
+)
 
 
 # -- wire format ----------------------------------------------------------------------
@@ -191,7 +198,8 @@ def load_callable(name: str, fp: str, label: str) -> Callable[..., Any]:
             f"the cache worker cannot import {label} {name}: {exc}. Install the module "
             "in the cache worker's image."
         ) from exc
-    if fingerprint(found) != fp:
+    # A dataset with version= names no code fingerprint: the user vouches.
+    if fp and not fp.startswith("version:") and fingerprint(found) != fp:
         raise ConfigError(
             f"{label} {name} on the cache worker differs from the training pod's "
             "(fingerprints differ); run the same version of that module on both."
@@ -247,6 +255,19 @@ class _ProxyIndex:
                 total_bytes=total_bytes,
             )
         )
+
+    def register_change(
+        self, name: str, source: str, fp: str, objects: int, total_bytes: int
+    ) -> tuple[int, str | None]:
+        generation, previous = self._client.call_index(
+            "register_change",
+            name=name,
+            source=source,
+            fp=fp,
+            objects=objects,
+            total_bytes=total_bytes,
+        )
+        return int(generation), previous
 
     def generation(self, name: str) -> int:
         return int(self._client.call_index("generation", name=name))
@@ -353,6 +374,21 @@ class ProxyClient:
         )
         self._names[spec["name"]] = (spec, names)
         self.call("register_dataset", spec=spec, **names)
+
+    def drop_corrupt(
+        self, name: str, generation: int, chunk: str, version: str
+    ) -> bool:
+        """Tell the cache worker that ``chunk`` fails its checksum here: it
+        drops its file and the store's copy, so the next ``get`` rebuilds it."""
+        return bool(
+            self.call(
+                "drop_corrupt",
+                name=name,
+                generation=generation,
+                chunk=chunk,
+                version=version,
+            )
+        )
 
     def resolve(
         self,

@@ -9,6 +9,7 @@
   + TransformError(ShardCacheError)            the user's per-sample transform raised
   + CollateError(ShardCacheError, ValueError)  a batch's samples cannot form one tensor
   + ChunkFileError(ShardCacheError)            a chunk file is missing, corrupt or unstorable
+  + CorruptChunkError(ShardCacheError)         a cached chunk failed its checksum again after a rebuild
   + SourceFormatError(ShardCacheError, ValueError)  a packed source file is not valid in its format
   + BackendError(ShardCacheError)              wraps redis / botocore / ray errors (see __cause__)
     - IndexUnavailable                         Redis unreachable, wrong password, bad URL
@@ -30,6 +31,7 @@ __all__ = [
     "ChunkFileError",
     "CollateError",
     "ConfigError",
+    "CorruptChunkError",
     "CorruptObjectError",
     "EmptyDatasetError",
     "EndpointUnavailable",
@@ -79,6 +81,11 @@ class CollateError(ShardCacheError, ValueError):
 
 class ChunkFileError(ShardCacheError):
     """A chunk file cannot be written or read back (named in the message)."""
+
+
+class CorruptChunkError(ShardCacheError):
+    """A cached chunk's contents do not match its checksum, even after it was
+    dropped and rebuilt from the source once (named in the message)."""
 
 
 class SourceFormatError(ShardCacheError, ValueError):

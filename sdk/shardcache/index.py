@@ -144,6 +144,7 @@ class StatsDelta:
 # KEYS[1] dataset hash, KEYS[2] datasets set, KEYS[3] events list, KEYS[4] channel
 # ARGV[1] name, ARGV[2] source, ARGV[3] fingerprint, ARGV[4] now,
 # ARGV[5] objects, ARGV[6] total bytes, ARGV[7] key prefix for old generations
+# Returns {generation, 'changed:<old fingerprint>' if this call started it, else ''}
 _REGISTER = """
 local gen = tonumber(redis.call('HGET', KEYS[1], 'generation') or '0')
 local fp = redis.call('HGET', KEYS[1], 'fingerprint')
@@ -151,7 +152,7 @@ redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('HSET', KEYS[1], 'source', ARGV[2], 'objects', ARGV[5], 'total_bytes', ARGV[6])
 if gen == 0 then
   redis.call('HSET', KEYS[1], 'generation', 1, 'fingerprint', ARGV[3], 'created_at', ARGV[4])
-  return 1
+  return {1, ''}
 end
 if fp ~= ARGV[3] then
   gen = redis.call('HINCRBY', KEYS[1], 'generation', 1)
@@ -163,8 +164,9 @@ if fp ~= ARGV[3] then
   redis.call('LPUSH', KEYS[3], ev)
   redis.call('LTRIM', KEYS[3], 0, EVENTS_CAP)
   redis.call('PUBLISH', KEYS[4], cjson.encode({dataset=ARGV[1], generation=gen}))
+  return {gen, 'changed:' .. (fp or '')}
 end
-return gen
+return {gen, ''}
 """.replace("EVENTS_CAP", str(EVENTS_KEPT - 1))
 
 # KEYS[1] dataset hash, KEYS[2] events list, KEYS[3] channel
@@ -293,26 +295,37 @@ class RedisIndex:
         self, name: str, source: str, fp: str, objects: int, total_bytes: int
     ) -> int:
         """Create or refresh a dataset; a new fingerprint starts a new generation."""
+        return self.register_change(name, source, fp, objects, total_bytes)[0]
+
+    def register_change(
+        self, name: str, source: str, fp: str, objects: int, total_bytes: int
+    ) -> tuple[int, str | None]:
+        """:meth:`register`, plus the fingerprint this call replaced when it
+        started a new generation (``None`` when it did not): decided in the
+        same script, so of ranks registering a new fingerprint at once, one
+        learns it and reports it."""
         with self.errors():
-            return int(
-                self._register(
-                    keys=[
-                        keys.dataset_key(self.ns, name),
-                        keys.datasets_key(self.ns),
-                        keys.events_key(self.ns),
-                        keys.invalidation_channel(self.ns),
-                    ],
-                    args=[
-                        name,
-                        source,
-                        fp,
-                        time.time(),
-                        objects,
-                        total_bytes,
-                        keys.prefix(self.ns),
-                    ],
-                )
+            generation, changed = self._register(
+                keys=[
+                    keys.dataset_key(self.ns, name),
+                    keys.datasets_key(self.ns),
+                    keys.events_key(self.ns),
+                    keys.invalidation_channel(self.ns),
+                ],
+                args=[
+                    name,
+                    source,
+                    fp,
+                    time.time(),
+                    objects,
+                    total_bytes,
+                    keys.prefix(self.ns),
+                ],
             )
+        previous = str(changed)
+        if not previous.startswith("changed:"):
+            return int(generation), None
+        return int(generation), previous.removeprefix("changed:")
 
     def generation(self, name: str) -> int:
         """The current generation, or 0 when the dataset is unknown."""

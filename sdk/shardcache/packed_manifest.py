@@ -31,6 +31,7 @@ __all__ = [
     "FileUnits",
     "PackedManifest",
     "format_of",
+    "objects_preprocess",
     "unit_hash",
     "unit_version",
 ]
@@ -46,12 +47,64 @@ FORMAT_EXTENSIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Files of these formats hold either one sample or many rows: the extension
+# alone cannot say which, so only a single file (not a glob, a list or a
+# prefix) is read as packed rows without ``format=``.
+PER_FILE_OR_ROWS = ("npy",)
+_GLOB_CHARS = "*?["
+_PROBED_URLS = 64  # listed objects whose extension is looked at (per-object listings)
+
+
 def format_of(urls: str | Sequence[str]) -> str | None:
     """The packed format the URL's (or every URL's) extension names, else None.
 
+    A glob or a list of ``.npy`` files names no format: like a prefix over the
+    same files, each file is one sample (pass ``format="npy"`` for rows).
+
     >>> format_of("s3://b/shards/train-*.tar"), format_of(["/d/a.jpg"])
     ('tar', None)
+    >>> format_of("/nfs/features.npy"), format_of("/nfs/feats/*.npy")
+    ('npy', None)
     """
+    found = _extension_format(urls)
+    is_one_file = isinstance(urls, str) and not any(c in urls for c in _GLOB_CHARS)
+    if found in PER_FILE_OR_ROWS and not is_one_file:
+        return None
+    return found
+
+
+def objects_preprocess(
+    manifest_urls: Sequence[str], source: str | Sequence[str]
+) -> Any:
+    """The default preprocess of a per-object listing, from what it listed:
+    ``decode_npy`` for .npy files (one array per file, whether listed by
+    prefix, glob or list), ``None`` (raw bytes) for anything else.
+
+    Raises:
+        ConfigError: every listed object is a container file (tar, Parquet,
+            HDF5, LMDB) that a prefix listed: each would become one sample of
+            raw bytes, which is rarely meant. Pass ``format=`` (or a glob, which
+            names it) to read the samples inside, or ``preprocess=`` to read
+            each file as one sample.
+    """
+    from shardcache.decoders import decode_npy
+    from shardcache.errors import ConfigError
+
+    found = _extension_format(list(manifest_urls[:_PROBED_URLS]))
+    if found is None:
+        return None
+    if found in PER_FILE_OR_ROWS:
+        return decode_npy
+    raise ConfigError(
+        f"{source!r} lists {FORMAT_EXTENSIONS[found][0]} files, which hold many "
+        f"samples each; read as objects each file would be one sample of raw "
+        f"bytes. Pass format={found!r} to read the samples inside them (a glob "
+        f"such as '*{FORMAT_EXTENSIONS[found][0]}' does so too), or pass "
+        "preprocess= to read each file as one sample."
+    )
+
+
+def _extension_format(urls: str | Sequence[str]) -> str | None:
     names = {
         next(
             (

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from shardcache import errors
+from shardcache.checksum import check_resolved
 from shardcache.chunks import PLAIN_FIELD, Chunk, batch_shape, gather
 from shardcache.client import CacheClient
 from shardcache.endpoint import ProxyClient
@@ -52,6 +53,7 @@ class ChunkReader:
         name: the dataset. manifest: the listing the rank reads.
         digest: that listing's digest. hold_bytes: chunk bytes kept mapped.
         timeout_s: how long one resolution may wait.
+        verify_reads: share of resolved chunks checked against their checksum.
     """
 
     def __init__(
@@ -62,8 +64,10 @@ class ChunkReader:
         digest: str,
         hold_bytes: int,
         timeout_s: float,
+        verify_reads: float = 0.0,
     ):
         self.client, self.name = client, name
+        self.verify_reads = verify_reads
         self.timeout_s, self.hold_bytes = timeout_s, hold_bytes
         self.set_manifest(manifest, digest)
         self.generation = -1
@@ -241,6 +245,10 @@ class ChunkReader:
     def _resolve(self, chunks: list[int], generation: int) -> dict[int, Chunk]:
         items = self.manifest.chunk_items(chunks, self.versions)
         results = self.client.resolve(self.name, generation, items, self.digest)
+        results = check_resolved(
+            self.client, self.name, generation, self.digest, items, results,
+            self.verify_reads,
+        )  # fmt: skip
         if self.client.remote:
             # Bytes streamed from another node and the time spent receiving
             # them: the remote read rate in stats()["served"].

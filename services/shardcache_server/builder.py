@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.checksum import seal
 from shardcache.chunks import Chunk, build_chunk
 from shardcache.errors import (
     CorruptObjectError,
@@ -224,11 +225,13 @@ def build_members(
     if req.target is not None:
         for row, (url, _, _) in enumerate(members):
             targets[row] = req.target(url)
-    columns = build_chunk(
-        samples,
-        errors,
-        names=[m[0] for m in members],
-        targets=targets if req.target is not None else None,
+    columns = seal(
+        build_chunk(
+            samples,
+            errors,
+            names=[m[0] for m in members],
+            targets=targets if req.target is not None else None,
+        )
     )
     report = {
         "reads": len(fetch_rows) - sum(isinstance(d, ShardCacheError) for d in fetched),

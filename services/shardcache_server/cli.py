@@ -105,11 +105,45 @@ def _storage_options(endpoint_url: str | None, options: list[str]) -> dict[str, 
     return out
 
 
+def _format_options(options: list[str]) -> dict[str, Any]:
+    import json
+
+    out: dict[str, Any] = {}
+    for opt in options:
+        key, sep, value = opt.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--format-option must be KEY=VALUE, got {opt!r}")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value  # a plain string
+    return out
+
+
 @app.command()
 def warm(
-    url: str = typer.Argument(..., help="fsspec prefix, glob or object URL"),
+    url: str = typer.Argument(
+        None, help="fsspec prefix, glob or object URL (or --like NAME)"
+    ),
     preprocess: str = typer.Option(
-        "raw", help="named preprocess (raw, decode_image, decode_image_chw)"
+        None,
+        help="the job's preprocess: raw, decode_image, decode_image_chw, or "
+        "module:function; default: the job's default for the URL",
+    ),
+    target: str = typer.Option(None, help="the job's target, as module:function"),
+    format: str = typer.Option(  # noqa: A002
+        None, "--format", help="the job's format= (tar, parquet, hdf5, lmdb, npy)"
+    ),
+    format_option: list[str] = typer.Option(
+        [], "--format-option", help="KEY=VALUE (JSON value) of the job's format_options"
+    ),
+    like: str = typer.Option(
+        None, "--like", help="copy the spec a job registered dataset NAME with"
+    ),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="start a new generation if the spec differs from the cached one",
     ),
     name: str = typer.Option(None, help="dataset name; default derived from URL"),
     endpoint_url: str = typer.Option(None, help="S3 endpoint (e.g. a local emulator)"),
@@ -170,6 +204,11 @@ def warm(
             epoch=epoch,
             shuffle=modes[shuffle],
             rank_nodes=rank_node or None,
+            target=target,
+            fmt=format,
+            format_options=_format_options(format_option),
+            like=like,
+            force=force,
         )
     if steps is not None:
         console.print(
@@ -327,15 +366,19 @@ def list_datasets(redis_url: str = RedisOpt, namespace: str = NamespaceOpt) -> N
 @app.command()
 def verify(
     name: str,
+    repair: bool = typer.Option(
+        False, "--repair", help="drop and rebuild (once) chunks failing their checksum"
+    ),
     redis_url: str = RedisOpt,
     namespace: str = NamespaceOpt,
     ray_address: str = typer.Option(None, envvar="RAY_ADDRESS"),
 ) -> None:
-    """Check that the index and the stores agree for a dataset (exit 1 if not,
-    or when nothing runs; 2 for an unknown name)."""
+    """Check that the index and the stores agree for a dataset and that every
+    cached chunk's contents match its checksum (exit 1 if not, or when nothing
+    runs; 2 for an unknown name)."""
     from shardcache.embedded import attach_ray
     from shardcache_server.cluster import alive_nodes, store_for_node
-    from shardcache_server.verify import check_agreement
+    from shardcache_server.verify import check_agreement, check_contents
 
     with _friendly_errors():
         index = _running_index(redis_url, namespace)
@@ -352,13 +395,21 @@ def verify(
             for n in alive_nodes()
             if (h := store_for_node(namespace, n)) is not None
         }
+        corrupt, checked, repaired = check_contents(handles, name, repair)
         problems = check_agreement(index, handles, name)
     for p in problems:
         console.print(f"[red]mismatch:[/] {p}")
+    for p in corrupt:
+        console.print(f"[red]corrupt:[/] {p}")
+    for p in repaired:
+        console.print(f"[green]repaired:[/] {p}")
+    hint = "" if repair or not corrupt else " (run with --repair to rebuild them)"
     console.print(
-        f"{name}: {len(problems)} mismatch(es) across {len(handles)} store(s)"
+        f"{name}: {len(problems)} mismatch(es) across {len(handles)} store(s); "
+        f"{len(corrupt)} corrupt chunk(s) of {checked} checked{hint}"
+        + (f", {len(repaired)} repaired" if repair else "")
     )
-    raise typer.Exit(1 if problems else 0)
+    raise typer.Exit(1 if problems or corrupt else 0)
 
 
 @app.command()

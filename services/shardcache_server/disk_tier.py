@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.checksum import is_intact
 from shardcache.chunk_file import read_chunk_file, write_chunk_file
 from shardcache.errors import ChunkFileError
 from shardcache.keys import validate_name
@@ -153,6 +154,19 @@ class DiskTier:
                 self._files[(dataset, chunk)] = size
                 self.used_bytes += size
         return columns
+
+    def chunks(self, dataset: str) -> list[str]:
+        """The chunk keys of ``dataset`` that have a file here."""
+        with self._lock:
+            return [k for ds, k in self._files if ds == dataset]
+
+    def is_intact(self, dataset: str, chunk: str) -> bool:
+        """Whether the chunk's file exists and its contents match its checksum."""
+        try:
+            columns, _ = read_chunk_file(self.path(dataset, chunk))
+        except ChunkFileError:
+            return False
+        return is_intact(columns)
 
     def remove(self, dataset: str, chunk: str) -> None:
         self._forget((dataset, chunk))

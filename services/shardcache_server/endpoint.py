@@ -168,6 +168,17 @@ class ShmFiles:
                     self._writing.pop(name, None)
         return path, False
 
+    def discard(self, key: tuple[Any, ...]) -> None:
+        """Forget the file of ``key`` (it failed its checksum); ranks mapping
+        it keep their pages, the next ``ensure`` writes a new one."""
+        name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
+        with self._lock:
+            found = self._files.pop(name, None)
+            if found is not None:
+                self._bytes -= found[1]
+        if found is not None:
+            found[0].unlink(missing_ok=True)
+
     def _evict(self, keep_name: str) -> None:
         while self._bytes > self.max_bytes and len(self._files) > 1:
             name, (path, size) = next(iter(self._files.items()))
@@ -260,6 +271,13 @@ class Endpoint:
             return _ok(None), []
         if op == "get":
             return self._get(m)
+        if op == "drop_corrupt":
+            name, generation = str(m["name"]), int(m["generation"])
+            chunk, version = str(m["chunk"]), str(m["version"])
+            self.files.discard(
+                (self.settings.namespace, name, generation, chunk, version)
+            )
+            return _ok(self.client.drop_corrupt(name, generation, chunk, version)), []
         if op in INDEX_OPS:
             args = {k: v for k, v in m.items() if k != "op"}
             return _ok(getattr(self.index, op)(**args)), []

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.checksum import seal
 from shardcache.chunks import ERRORS, FAILED, build_chunk
 from shardcache.decoders import as_arrays
 from shardcache.errors import ShardCacheError
@@ -122,6 +123,7 @@ def build_unit(
         names = [manifest.url(i) for i in range(start, end)]
         targets = [target(k) for k in names] if target else None
         columns = build_chunk(samples, errors, names=names, targets=targets)
+    seal(columns)  # the contents as built: verify and sampled reads check them
     # A unit whose bytes came with the listing was read from the source by
     # the listing, on this unit's behalf and once: counted here all the same,
     # so the source bytes the dashboard shows are the ones the source sent.

@@ -65,6 +65,7 @@ def run_selftest(
             namespace=namespace,
             ray_address=ray_address,
             console=console,
+            force=True,  # its own dataset: an older install's may differ
         )
         attach_ray(ray_address)
         client = CacheClient(ClientConfig(redis_url=index.url, namespace=namespace))

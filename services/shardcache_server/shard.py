@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from shardcache import keys
+from shardcache.checksum import is_intact
 from shardcache.errors import (
     BackendError,
     ChunkFileError,
@@ -89,6 +90,7 @@ class _Dataset:
     target: Callable[[str], Any] | None = None
     urls: Any = ""  # the source (prefix, glob or list), to list it again
     source: Any = None  # a user's map-style Dataset (``from_dataset``), via Ray
+    spec: dict[str, Any] | None = None  # as registered (``warm --like`` copies it)
 
 
 class CacheShard:
@@ -239,8 +241,17 @@ class CacheShard:
             target,
             spec.get("urls", ""),
             spec.get("source_object"),
+            {k: v for k, v in spec.items() if k not in ("order", "source_object")},
         )
         return self._generation[name]
+
+    async def registered(self, dataset: str) -> list[Any]:
+        """``[spec, preprocess, target]`` of ``dataset`` as a job registered it
+        here, or ``[]``: ``shardcache warm --like`` warms with exactly that."""
+        ds = self._datasets.get(dataset)
+        if ds is None or ds.spec is None:
+            return []
+        return [dict(ds.spec), ds.preprocess, ds.target]
 
     async def manifest(
         self, spec: dict[str, Any], token: str = "", *, forwarded: bool = False
@@ -466,6 +477,111 @@ class CacheShard:
             for url in urls:
                 await asyncio.to_thread(self._disk.remove, dataset, url)
         return len(victims)
+
+    # -- content checks (checksum.py) --------------------------------------------
+    async def verify_contents(
+        self, dataset: str, repair: bool = False
+    ) -> dict[str, Any]:
+        """Check the contents of every chunk of ``dataset`` this store holds, in
+        memory and on disk, against the checksum written when it was built.
+
+        With ``repair`` each bad chunk is dropped and built again, once (from
+        the source, or from its disk file when that still verifies), and the
+        rebuilt chunk is checked too. Returns ``{"node", "checked", "bad",
+        "repaired", "still_bad"}``; ``bad`` lists chunk keys (a disk file
+        only: ``"c3 (disk)"``).
+        """
+        self._ensure_started()
+        bad: list[str] = []
+        checked = 0
+        for (ds, chunk), cached in list(self._table.items()):
+            if ds != dataset:
+                continue
+            checked += 1
+            if not await self._is_intact(cached.ref):
+                bad.append(chunk)
+        if self._disk is not None:
+            for chunk in self._disk.chunks(dataset):
+                if (dataset, chunk) in self._table:
+                    continue  # its file is a copy of what was checked above
+                checked += 1
+                if not await asyncio.to_thread(self._disk.is_intact, dataset, chunk):
+                    bad.append(f"{chunk} (disk)")
+                    if repair:  # nothing in memory to rebuild: the next read does
+                        self._disk.remove(dataset, chunk)
+        repaired: list[str] = []
+        still_bad: list[str] = []
+        if repair:
+            for chunk in [c for c in bad if not c.endswith("(disk)")]:
+                if await self._rebuild(dataset, chunk):
+                    repaired.append(chunk)
+                else:
+                    still_bad.append(chunk)
+        if bad:
+            self._event("corrupt_chunks", dataset, chunks=bad, repaired=repaired)
+        return {
+            "node": self.node_id,
+            "checked": checked,
+            "bad": bad,
+            "repaired": repaired,
+            "still_bad": still_bad,
+        }
+
+    async def drop_corrupt(
+        self, dataset: str, generation: int, chunk: str, *, forwarded: bool = False
+    ) -> bool:
+        """A rank found ``chunk`` failing its checksum: forget it here (or at
+        its owner) so that the next request builds it again. True if dropped.
+
+        The rank and the store map the same object-store pages, so the rank's
+        finding is the store's too; a disk file is kept only if it verifies.
+        """
+        self._ensure_started()
+        if (dataset, chunk) in self._table:
+            self._forget_corrupt(dataset, chunk)
+            self._event("corrupt_chunks", dataset, chunks=[chunk], repaired=[])
+            return True
+        if forwarded or self._index is None:
+            return False
+        try:
+            (owner,) = await asyncio.to_thread(
+                self._index.claim_owners, dataset, generation, [chunk], self.me
+            )
+        except BackendError:
+            return False
+        if owner == self.me:
+            return False
+        handle = self._peer(owner.split("/", 1)[0])
+        if handle is None:
+            return False
+        return bool(
+            await handle.drop_corrupt.remote(dataset, generation, chunk, forwarded=True)
+        )
+
+    async def _is_intact(self, ref: Any) -> bool:
+        columns = self._get(ref)
+        if inspect.isawaitable(columns):
+            columns = await columns
+        return await asyncio.to_thread(is_intact, columns)
+
+    def _forget_corrupt(self, dataset: str, chunk: str) -> None:
+        self._evict_local((dataset, chunk))
+        if self._disk is not None and not self._disk.is_intact(dataset, chunk):
+            self._disk.remove(dataset, chunk)
+
+    async def _rebuild(self, dataset: str, chunk: str) -> bool:
+        """Drop a corrupt chunk and build it again under the current listing;
+        True if what is held now verifies."""
+        self._forget_corrupt(dataset, chunk)
+        ds = self._datasets.get(dataset)
+        index = _chunk_index(chunk)
+        if ds is None or not 0 <= index < len(ds.manifest.layout):
+            return True  # dropped; nothing here can build it, the next read will
+        generation = self._generation[dataset]
+        (item,) = ds.manifest.chunk_items([index])
+        await self._load(ds, generation, item)
+        cached = self._table.get((dataset, chunk))
+        return cached is None or await self._is_intact(cached.ref)
 
     async def info(self) -> dict[str, Any]:
         """What this store holds: bytes, entries, per-dataset counts."""
@@ -834,6 +950,15 @@ class CacheShard:
         }
         columns = await asyncio.to_thread(self._disk.read, ds.name, chunk, expect)
         if columns is None:
+            return False
+        if not await asyncio.to_thread(is_intact, columns):
+            # Never served: the file's bytes changed since it was written (or
+            # it predates checksums). Build the chunk from the source instead.
+            log.warning(
+                "chunk file %s/%s fails its checksum; rebuilding", ds.name, chunk
+            )
+            self._stats.add((ds.name, generation), "corrupt_chunks")
+            self._disk.remove(ds.name, chunk)
             return False
         # Into the object store (one copy of the mapped pages), so the rank's
         # read path is the same as for a chunk built from the source.

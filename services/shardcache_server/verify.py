@@ -1,4 +1,5 @@
-"""Check that the Redis index and the stores agree (``shardcache verify``)."""
+"""``shardcache verify``: the index and the stores agree, and every chunk's
+contents match the checksum written when it was built (``checksum.py``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 from shardcache.index import RedisIndex
 
-__all__ = ["check_agreement"]
+__all__ = ["check_agreement", "check_contents"]
 
 
 def check_agreement(
@@ -52,3 +53,35 @@ def check_agreement(
                     f"node {node[:8]} holds {url}, which the index does not point at"
                 )
     return problems
+
+
+def check_contents(
+    handles: dict[str, Any], dataset: str, repair: bool = False
+) -> tuple[list[str], int, list[str]]:
+    """Check the contents of every chunk of ``dataset`` on every store.
+
+    Returns ``(problems, chunks checked, repaired)``: one problem per chunk
+    whose bytes fail its checksum (named with its node), and, with
+    ``repair``, the chunks dropped and rebuilt that verify now. A chunk
+    rebuilt but still failing stays a problem.
+    """
+    import ray
+
+    reports = ray.get(
+        [h.verify_contents.remote(dataset, repair) for h in handles.values()]
+    )
+    problems: list[str] = []
+    repaired: list[str] = []
+    checked = 0
+    for node, report in zip(handles, reports, strict=True):
+        checked += report["checked"]
+        fixed = set(report["repaired"])
+        for chunk in report["bad"]:
+            where = f"node {node[:8]} chunk {chunk}"
+            if chunk in fixed:
+                repaired.append(where)
+            elif repair and chunk.endswith("(disk)"):
+                repaired.append(f"{where}: deleted; the next read rebuilds it")
+            else:
+                problems.append(f"{where}: contents fail their checksum")
+    return problems, checked, repaired

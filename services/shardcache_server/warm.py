@@ -4,6 +4,7 @@ node its rank will run on."""
 
 from __future__ import annotations
 
+import importlib
 import time
 from typing import Any
 
@@ -14,11 +15,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemaining
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
 from shardcache.config import ClientConfig
 from shardcache.dataset import default_name
+from shardcache.decoders import as_arrays, raw_bytes
 from shardcache.embedded import attach_ray, local_redis_url
 from shardcache.errors import ConfigError, ShardUnavailable
-from shardcache.fingerprint import fingerprint
+from shardcache.fingerprint import dataset_fingerprint
 from shardcache.index import RedisIndex
 from shardcache.manifest import Manifest
+from shardcache.packed_manifest import format_of, objects_preprocess
 from shardcache.sampler import first_steps
 from shardcache.sharding import assign_chunks
 from shardcache_server.cluster import ensure_stores
@@ -29,9 +32,9 @@ __all__ = ["warm_dataset"]
 
 
 def warm_dataset(
-    url: str,
+    url: str | None,
     *,
-    preprocess: str = "raw",
+    preprocess: str | None = None,
     name: str | None = None,
     storage_options: dict[str, Any] | None = None,
     redis_url: str | None = None,
@@ -47,8 +50,21 @@ def warm_dataset(
     epoch: int = 0,
     shuffle: bool | str = True,
     rank_nodes: list[str] | None = None,
+    target: str | None = None,
+    fmt: str | None = None,
+    format_options: dict[str, Any] | None = None,
+    like: str | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Warm ``url`` into the cluster cache; returns a summary.
+
+    The dataset is described as a job describes it (``preprocess`` and
+    ``target`` by registry name or ``module:qualname``, ``fmt``,
+    ``format_options``), so the job's fingerprint is the one warmed; or
+    ``like`` names a dataset a job registered and its spec is copied (its
+    URL, options, format and callables, from a store that holds them).
+    Warming never changes an existing dataset's generation (which would make
+    the job re-read everything) unless ``force``.
 
     Chunks are spread over the nodes by the same rendezvous hashing the
     sampler uses, so no single store holds the whole dataset. ``batch`` is
@@ -62,40 +78,76 @@ def warm_dataset(
     contiguous blocks of ranks, as torchrun numbers them.
 
     Raises:
-        ConfigError, SourceNotFound, EmptyDatasetError, IndexUnavailable,
-        ShardUnavailable, and the first per-object error (PreprocessError, ...).
+        ConfigError: no URL and no ``like``; ``like`` names no dataset a store
+            holds; the spec's fingerprint differs from the registered one
+            (without ``force``); an unknown preprocess or target.
+        SourceNotFound, EmptyDatasetError, IndexUnavailable, ShardUnavailable,
+        and the first per-object error (PreprocessError, ...).
     """
     import ray
 
     started = time.perf_counter()
-    fn = get_preprocessor(preprocess)
     config = ClientConfig(
         redis_url=redis_url, namespace=namespace, ray_address=ray_address
     )
     redis_url = config.redis_url or local_redis_url()
-    name = name or default_name(url)
     attach_ray(config.ray_address)
     handles = ensure_stores(ServiceSettings(redis_url=redis_url, namespace=namespace))
     nodes = sorted(handles)
     if not nodes:
         raise ShardUnavailable("no alive Ray node to warm into.")
-    spec: dict[str, Any] = {
-        "name": name,
-        "urls": url,
-        "protocol": url.split("://", 1)[0] if "://" in url else "file",
-        "storage_options": storage_options or {},
-        "chunk_bytes": DEFAULT_CHUNK_BYTES,
-        "chunk_samples": chunk_samples,
-        "fingerprint": fingerprint(fn),
-    }
+    index = RedisIndex.from_url(redis_url, namespace)
+    if like is not None:
+        spec, fn, target_fn = _registered(handles, like)
+        name, url = name or like, spec["urls"]
+        spec = {**spec, "name": name}
+    else:
+        if url is None:
+            raise ConfigError("warm needs a URL, or --like NAME to copy a dataset's.")
+        name = name or default_name(url)
+        fmt = fmt or format_of(url)
+        fn = _named(preprocess, "preprocess") if preprocess else None
+        target_fn = _named(target, "target") if target else None
+        spec = {
+            "name": name,
+            "urls": url,
+            "protocol": url.split("://", 1)[0] if "://" in url else "file",
+            "storage_options": storage_options or {},
+            "chunk_bytes": DEFAULT_CHUNK_BYTES,
+            "chunk_samples": chunk_samples,
+        }
+        if fmt:
+            spec.update(format=fmt, format_options=format_options or {})
     ref, digest = _unwrap(lambda: ray.get(handles[nodes[0]].manifest.remote(spec)))
     manifest = Manifest.from_object(ray.get(ref))
-    index = RedisIndex.from_url(redis_url, namespace)
+    if like is None:
+        if fn is None:  # the job's default, decided the same way (dataset.py)
+            probe = [manifest.url(i) for i in range(min(64, len(manifest)))]
+            fn = as_arrays if fmt else objects_preprocess(probe, url) or raw_bytes
+        spec["fingerprint"] = dataset_fingerprint(fn, target_fn)
+    record = index.dataset(name)
+    if record is not None and record.fingerprint != spec["fingerprint"] and not force:
+        raise ConfigError(
+            f"dataset {name!r} is cached at generation {record.generation} with "
+            f"fingerprint {record.fingerprint}; warming it with fingerprint "
+            f"{spec['fingerprint']} would start a new generation and make its jobs "
+            f"read all {record.objects} objects again. Warm with the job's spec "
+            f"(--like {name}, or the job's --preprocess/--target/--format), or pass "
+            "--force to start over on purpose."
+        )
     generation = index.register(
-        name, url, fingerprint(fn), len(manifest), manifest.total_bytes
+        name,
+        url if isinstance(url, str) else f"{len(url)} urls",
+        spec["fingerprint"],
+        len(manifest),
+        manifest.total_bytes,
     )
     spec.update(generation=generation, manifest=digest)
-    _unwrap(lambda: ray.get([h.register.remote(spec, fn) for h in handles.values()]))
+    _unwrap(
+        lambda: ray.get(
+            [h.register.remote(spec, fn, target_fn) for h in handles.values()]
+        )
+    )
     layout = manifest.layout
     sizes = layout.sizes()
     if steps is None:
@@ -204,3 +256,35 @@ def _unwrap(call: Any) -> Any:
         if isinstance(exc.cause, ShardCacheError):
             raise exc.cause from None
         raise
+
+
+def _registered(handles: dict[str, Any], name: str) -> tuple[dict[str, Any], Any, Any]:
+    """The spec and callables a job registered ``name`` with, from any store."""
+    import ray
+
+    for found in ray.get([h.registered.remote(name) for h in handles.values()]):
+        if found:
+            spec, fn, target = found
+            return spec, fn, target
+    raise ConfigError(
+        f"no store holds a registration of dataset {name!r} (a job registers it "
+        "when it starts; stores forget on restart). Run the job once, or warm "
+        "with its URL and --preprocess/--target/--format."
+    )
+
+
+def _named(name: str, label: str) -> Any:
+    """A registry name (``raw``, ``decode_image``...) or ``module:qualname``."""
+    if ":" not in name:
+        return get_preprocessor(name)
+    module, _, qualname = name.partition(":")
+    try:
+        found: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(
+            f"--{label} {name}: cannot import it ({exc}). Name a module-level "
+            "function as module:qualname, importable from this directory."
+        ) from exc
+    return found

@@ -57,8 +57,9 @@ def _shard(cfg, node="node-a"):
 
 
 def _chunk_nbytes() -> int:
-    """One chunk of 4 x 100 B samples: the stacked column, failed flags, "{}"."""
-    return PER_CHUNK * 100 + PER_CHUNK + 2
+    """One chunk of 4 x 100 B samples: the stacked column, failed flags, "{}",
+    the 8-byte checksum."""
+    return PER_CHUNK * 100 + PER_CHUNK + 2 + 8
 
 
 async def _epochs(shard, items, epochs, first=0):
