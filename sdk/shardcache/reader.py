@@ -77,6 +77,7 @@ class ChunkReader:
         self._transient: OrderedDict[int, Chunk] = OrderedDict()
         self._transient_bytes = 0
         self._origin: dict[int, str] = {}
+        self._sourced: dict[int, np.ndarray] = {}  # partial rebuilds' source rows
         self._pending: dict[int, Future[None]] = {}
         self.saw_uncached = False  # the stores could not cache a chunk this generation
         self._background: ThreadPoolExecutor | None = None
@@ -109,6 +110,7 @@ class ChunkReader:
             self._transient_bytes = 0
             self._held_bytes = 0
             self._origin.clear()
+            self._sourced.clear()
             self._pending.clear()
             self.saw_uncached = False
             self.generation = generation
@@ -122,6 +124,7 @@ class ChunkReader:
         """
         with self._lock:
             self._origin = {c: "local" for c in self._held}
+            self._sourced.clear()
             self._transient.clear()
             self._transient_bytes = 0
             self.saw_uncached = False
@@ -162,6 +165,17 @@ class ChunkReader:
         batch = dict.fromkeys(self.counts, 0)
         for c, n, nbytes in _per_chunk(chunk_ids, sizes):
             origin = self._origin.get(c, "local")
+            mask = self._sourced.get(c) if origin == "source" else None
+            if mask is not None:
+                # A partial rebuild: only the rows it read came from the source.
+                mine = chunk_ids == c
+                fresh = mask[indices[mine] - self.layout.starts[c]]
+                n_src, b_src = int(fresh.sum()), int(sizes[mine][fresh].sum())
+                batch["source"] += n_src
+                batch["source_bytes"] += b_src
+                batch["local"] += n - n_src
+                batch["local_bytes"] += nbytes - b_src
+                continue
             batch[origin] += n
             batch[f"{origin}_bytes"] += nbytes
         for key, value in batch.items():
@@ -269,6 +283,8 @@ class ChunkReader:
                 # this epoch", as a user reads it.
                 if self._origin.get(c) != "source":
                     self._origin[c] = _origin(status)
+                    if self._origin[c] == "source" and chunk.sourced is not None:
+                        self._sourced[c] = chunk.sourced
                 if (
                     status != "uncached"
                     and self._held_bytes + chunk.nbytes <= self.hold_bytes
