@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from shardcache.changes import describe_changes
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
 from shardcache.client import CacheClient
 from shardcache.config import ClientConfig
@@ -900,9 +901,32 @@ class DistributedCachedDataset(Dataset[Any]):
             ConfigError: the state belongs to another dataset, seed or mode, or
                 one rank's state is given for another world size.
         """
+        self._check_listing_of(state)
         consumed = apply_state(self._sampler, state, self.digest, nodes)
         self._consumed = consumed
         self._cursor = consumed
+
+    def _check_listing_of(self, state: Any) -> None:
+        """A state saved on another listing (objects changed since the saving
+        job) cannot place its samples: say which objects changed.
+
+        Raises:
+            ConfigError: the listing differs; names the changed objects.
+        """
+        states = [state] if isinstance(state, dict) else list(state)
+        saved = states[0].get("manifest") if states else None
+        if saved is None or saved == self.digest:
+            return
+        try:
+            old = self._map_manifest(self._client.manifest_of(self.name, saved))
+            what = describe_changes(old, self.manifest)
+        except StaleVersionError:
+            what = "the listing it was saved on is no longer held by the cluster"
+        raise ConfigError(
+            f"state_dict was saved on another listing of {self.urls!r} ({what}); "
+            "its positions would not match today's shards. Start the epoch over "
+            "(skip load_state_dict), or restore those objects and resume."
+        )
 
     def warm(
         self, steps: int, batch_size: int, *, progress: bool = True

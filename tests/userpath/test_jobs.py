@@ -190,3 +190,64 @@ def test_dataloader_workers_report_every_sample_without_close(
         for o in ("local", "peer", "source")
     )
     assert total == 300
+
+
+RESUME = """
+import io, json, sys
+import numpy as np
+import torch
+from shardcache import DistributedCachedDataset
+from shardcache.errors import ConfigError
+
+def load_npy(data):
+    return np.load(io.BytesIO(data))
+
+url, options, state_dir, mode = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+ds = DistributedCachedDataset(url, preprocess=load_npy, storage_options=options,
+                              revalidate=sys.argv[5] if len(sys.argv) > 5 else "job")
+path = f"{state_dir}/rank{ds.rank}.pt"
+ds.set_epoch(0)
+if mode == "save":
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=ds.sampler)
+    for step, batch in enumerate(loader):
+        if step == 2:
+            break
+    torch.save(ds.state_dict(consumed=3 * 8), path)
+    print(json.dumps({"ok": True}))
+else:
+    try:
+        ds.load_state_dict(torch.load(path))
+    except ConfigError as exc:
+        print(json.dumps({"error": str(exc)}))
+        sys.exit(0)
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=ds.sampler)
+    n = sum(len(b) for b in loader)
+    print(json.dumps({"rest": n}))
+"""
+
+
+def _lines(done):
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+
+
+def test_a_resume_across_jobs_survives_revalidation_and_names_what_changed(
+    user, s3, s3fs_client, bucket
+):
+    for i in range(128):
+        _put(s3fs_client, bucket, i, i)
+    url, options = f"s3://{bucket}/train/", s3.storage_options()
+    script = user.write("resume.py", RESUME)
+    state = user.workdir / "state"
+    state.mkdir()
+    args = (url, json.dumps(options), str(state))
+    assert _lines(user.torchrun(script, *args, "save")) == [{"ok": True}] * 2
+    # A new job, nothing changed: the revalidated listing is the same one, and
+    # each rank reads the 64 - 24 samples of its share it had not consumed.
+    assert _lines(user.torchrun(script, *args, "load")) == [{"rest": 40}] * 2
+    # One object rewritten: the error names it, not a digest.
+    _put(s3fs_client, bucket, 7, 700)
+    out = _lines(user.torchrun(script, *args, "load"))
+    assert all("error" in r for r in out), out
+    assert all(f"s3://{bucket}/train/0007.npy" in r["error"] for r in out), out
+    assert all("1 object changed" in r["error"] for r in out)
