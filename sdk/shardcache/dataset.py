@@ -23,6 +23,7 @@ from shardcache.endpoint import open_client
 from shardcache.errors import (
     ConfigError,
     IndexUnavailable,
+    RemoteFetchError,
     StaleVersionError,
     TransformError,
 )
@@ -339,7 +340,17 @@ class DistributedCachedDataset(Dataset[Any]):
                 "the cache's Ray nodes); pods reading through the node-local endpoint "
                 "or remotely can read packed files (format=) instead."
             )
-        ref, self.digest = self._client.manifest(self._spec, open_token)
+        try:
+            ref, self.digest = self._client.manifest(self._spec, open_token)
+        except RemoteFetchError as exc:
+            if not open_token.startswith("open/"):
+                raise
+            # Same type, so callers' handlers still match; the message adds
+            # the opt-out a job with an immutable source may want.
+            raise type(exc)(
+                f"{exc} (a new job revalidates the listing of {self.urls!r}; pass "
+                "revalidate='never' to start on the listing the cluster holds)"
+            ) from exc
         self.manifest = self._map_manifest(ref)
         if self.format is None and preprocess is None and source_dataset is None:
             # One reading whether the objects came from a prefix, a glob or a

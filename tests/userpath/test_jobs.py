@@ -251,3 +251,48 @@ def test_a_resume_across_jobs_survives_revalidation_and_names_what_changed(
     assert all("error" in r for r in out), out
     assert all(f"s3://{bucket}/train/0007.npy" in r["error"] for r in out), out
     assert all("1 object changed" in r["error"] for r in out)
+
+
+OPEN = """
+import io, json, sys
+import numpy as np
+from shardcache import DistributedCachedDataset
+from shardcache.errors import ShardCacheError
+
+def load_npy(data):
+    return np.load(io.BytesIO(data))
+
+url, options, revalidate = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+try:
+    ds = DistributedCachedDataset(url, preprocess=load_npy, storage_options=options,
+                                  revalidate=revalidate)
+except ShardCacheError as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+    sys.exit(0)
+print(json.dumps({"n": len(ds), "first": int(ds[0][0])}))
+"""
+
+
+def test_a_job_that_cannot_revalidate_stops_unless_it_opted_out(
+    user, s3, s3fs_client, bucket
+):
+    for i in range(16):
+        _put(s3fs_client, bucket, i, i)
+    url, options = f"s3://{bucket}/train/", s3.storage_options()
+    script = user.write("open.py", OPEN)
+    assert _lines(user.python(str(script), url, json.dumps(options), "job")) == [
+        {"n": 16, "first": 0}
+    ]
+    # The source is unreachable now (nothing listens there).
+    down = {
+        **options,
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}"},
+        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1},
+    }
+    [failed] = _lines(user.python(str(script), url, json.dumps(down), "job"))
+    assert failed["error"] in ("RemoteFetchError", "SourceNotFound"), failed
+    assert url in failed["message"] and "revalidate='never'" in failed["message"]
+    # Opted out: the job starts on the listing the cluster holds, from the cache.
+    assert _lines(user.python(str(script), url, json.dumps(down), "never")) == [
+        {"n": 16, "first": 0}
+    ]
