@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import multiprocessing.util
 import os
+import signal
 import threading
 import weakref
 from collections.abc import Callable
@@ -49,6 +50,7 @@ class _Flusher:
         )
         self.thread.start()
         multiprocessing.util.Finalize(None, self.at_exit, exitpriority=100)
+        _exit_on_sigterm()
 
     def _loop(self) -> None:
         while not self.stop.wait(FLUSH_INTERVAL_S):
@@ -68,7 +70,7 @@ class _Flusher:
                 except Exception as exc:  # never mask the script's own exit
                     log.warning("shardcache: final report failed: %s", exc)
         for reporter in list(self.reporters):
-            reporter.flush(force=True)
+            reporter.close()
 
 
 _flusher: _Flusher | None = None
@@ -94,3 +96,22 @@ def at_exit(method: Callable[[], None]) -> None:
     flusher = _process_flusher()
     with flusher.lock:
         flusher.finals.append(weakref.WeakMethod(method))  # type: ignore[arg-type]
+
+
+def _exit_on_sigterm() -> None:
+    """Turn SIGTERM into ``SystemExit`` when nobody else handles it, so the
+    exit hooks run: torchrun SIGTERMs the other ranks when one fails, and
+    Kubernetes SIGTERMs a pod before killing it. Raising (rather than
+    flushing inside the handler) unwinds the interrupted code first, so no
+    lock it held is taken twice. Left alone when the process already has a
+    handler (Ray workers, a trainer's own), or off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def _terminated(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one kills
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _terminated)

@@ -221,6 +221,15 @@ class RankUsage:
     blocked_s_by_epoch: dict[int, float] = field(default_factory=dict)
     epoch: int | None = None
     ts: float = 0.0
+    ended: float = 0.0  # when its last process exited after a final flush
+
+    def state(self, now: float, silent_after_s: float) -> str:
+        """``"ended"`` (final report written), ``"running"`` (reported within
+        ``silent_after_s``), or ``"lost"``: it stopped without a final report
+        (SIGKILL, OOM), so up to one flush interval of samples is missing."""
+        if self.ended and self.ended >= self.ts:
+            return "ended"
+        return "running" if now - self.ts <= silent_after_s else "lost"
 
 
 @dataclass
@@ -397,12 +406,29 @@ class UsageReporter:
             return True
 
     def close(self) -> int:
-        """Flush one last time; returns the samples that could not be reported."""
+        """Flush one last time and mark this process's report final; returns
+        the samples that could not be reported."""
         if self.flush(force=True):
+            self._mark_ended()
             return 0
         dropped = self._lost.get("lost_samples", 0)
         carried = sum(b.lost.get("lost_samples", 0) for b in self._pending)
         return self.unflushed_samples + dropped + carried
+
+    def _mark_ended(self) -> None:
+        """Stamp the rank's hash: its reports are complete as of now (a later
+        flush by another process of the rank moves ``ts`` past it again)."""
+        if self._client is None:  # never flushed: nothing of ours in Redis
+            return
+        try:
+            with map_redis_errors(self._url):
+                self._client.hset(
+                    keys.usage_rank_key(self.ns, self.dataset, self._member),
+                    "ended",
+                    repr(self._clock()),
+                )
+        except IndexUnavailable as exc:
+            self.last_error = str(exc)
 
     def _cut(self) -> None:
         """Move the current counts into a new pending batch (caller holds _flush_lock)."""
@@ -608,6 +634,7 @@ class UsageReader:
                     blocked_s_by_epoch=dict(sorted(per_epoch.items())),
                     epoch=int(raw["epoch"]) if raw.get("epoch") else None,
                     ts=float(raw.get("ts") or 0),
+                    ended=float(raw.get("ended") or 0),
                 )
             )
         return sorted(
