@@ -42,6 +42,7 @@ from typing import Any
 from shardcache.errors import ShardUnavailable
 from shardcache.processes import (
     cmdline,
+    processes_holding,
     processes_marked,
     processes_naming,
     terminate,
@@ -111,11 +112,14 @@ def _recorded(home: Path) -> dict[str, Any]:
 
 def head_processes(home: Path) -> list[int]:
     """Every live process of the head started under ``home``: those carrying the
-    marker, plus any whose command line names the temp dir (a head started by
-    an older shardcache carried no marker)."""
+    marker, those whose command line names the temp dir (a head started by an
+    older shardcache carried no marker), and those holding a file open under it
+    (the runtime env agent, whose environment Ray scrubs)."""
     temp_dir = str(_recorded(home).get("temp_dir") or ray_temp_dir(home))
     return sorted(
-        set(processes_marked(HEAD_MARKER, temp_dir)) | set(processes_naming(temp_dir))
+        set(processes_marked(HEAD_MARKER, temp_dir))
+        | set(processes_naming(temp_dir))
+        | set(processes_holding(temp_dir))
     )
 
 

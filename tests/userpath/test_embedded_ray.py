@@ -17,8 +17,7 @@ import numpy as np
 import psutil
 import pytest
 
-from shardcache.local_ray import HEAD_MARKER
-from shardcache.processes import processes_marked
+from shardcache.local_ray import head_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -87,8 +86,11 @@ def _stop(user) -> float:
 
 
 def _our_head(user) -> list[int]:
-    temp_dir = json.loads((_state(user) / "ray.json").read_text())["temp_dir"]
-    return processes_marked(HEAD_MARKER, temp_dir)
+    """Our head's processes, agents included (Ray scrubs their environment)."""
+    pids = head_processes(_state(user))
+    names = " ".join(psutil.Process(p).name() for p in pids)
+    assert "gcs_server" in names and "Agent" in names, names
+    return pids
 
 
 def test_embedded_ray_first_script_after_the_demo_reads_a_batch(user):
