@@ -56,6 +56,8 @@ __all__ = [
     "running_head",
     "start_head",
     "stop_head",
+    "use_token_file",
+    "write_token",
 ]
 
 HEAD_MARKER = "SHARDCACHE_RAY_TEMP_DIR"  # in the env of every process of our head
@@ -94,8 +96,12 @@ def ray_temp_dir(home: Path) -> Path:
 
 
 def _token_path(home: Path) -> Path:
-    """Our Ray token, created once, 0600 (O_EXCL: two ranks never both write)."""
-    path = home / "ray_token"
+    return write_token(home / "ray_token")
+
+
+def write_token(path: Path) -> Path:
+    """A Ray token at ``path``, created once, 0600 (O_EXCL: two ranks never
+    both write it); returns ``path``."""
     with contextlib.suppress(FileExistsError):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -183,23 +189,36 @@ def _auth_env(home: Path) -> dict[str, str]:
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(_token_path(home))}
 
 
-def join_local_head(home: Path, address: str, **init_kwargs: Any) -> None:
-    """``ray.init`` this process into our head at ``address``.
+def use_token_file(token_file: Path) -> None:
+    """Make this process, and the processes it starts, use Ray token auth with
+    the token in ``token_file`` (a private cluster's: ours, or the demo's).
 
-    The driver must present our token and keep to loopback too. Ray reads the
-    auth mode and token once and caches them (``RayConfig``, the C++ token
-    loader), and this process may have imported ray long before, so both are
-    refreshed here, as Ray's own ``_enable_token_auth`` does. ``RAY_AUTH_TOKEN``
-    would win over our path; it belongs to some other cluster, so it goes.
+    Ray reads the auth mode and token once and caches them (``RayConfig``, the
+    C++ token loader), and this process may have imported ray long before, so
+    both are refreshed here, as Ray's own ``_enable_token_auth`` does.
+    ``RAY_AUTH_TOKEN`` would win over the file; it belongs to some other
+    cluster, so it goes. An explicit mode also keeps Ray from warning that it
+    turned token auth on (or off) by itself.
     """
-    import ray
-    from ray._private import ray_constants
     from ray._raylet import AuthenticationTokenLoader, Config
 
-    os.environ.update(_auth_env(home))
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file))
     os.environ.pop("RAY_AUTH_TOKEN", None)
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+def join_local_head(home: Path, address: str, **init_kwargs: Any) -> None:
+    """``ray.init`` this process into our head at ``address``, with our token
+    and kept to loopback.
+
+    Raises:
+        ShardUnavailable: the head refused or did not answer.
+    """
+    import ray
+    from ray._private import ray_constants
+
+    use_token_file(_token_path(home))
     # Read at import time from LOCAL_ONLY; without it Ray turns our
     # "127.0.0.1:port" into the host's address and the connect times out.
     ray_constants.ENABLE_RAY_CLUSTER = False
