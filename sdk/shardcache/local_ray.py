@@ -65,6 +65,7 @@ LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps to 127.0.0.1
 RAY_START_TIMEOUT_S = 120.0
 RAY_TEMP_DIR_MAX_CHARS = 40  # session and socket names add ~65 of Ray's 107 bytes
 PROBE_TIMEOUT_S = 0.5  # a TCP connect to our own loopback GCS
+HEAD_FORMAT = 2  # ray.json's "format": 2 = token auth with our token, loopback
 
 
 def ray_temp_dir(home: Path) -> Path:
@@ -133,7 +134,9 @@ def running_head(home: Path) -> str | None:
     """The address of our recorded head when its GCS is up, else ``None``."""
     recorded = _recorded(home)
     address, temp_dir = recorded.get("address"), recorded.get("temp_dir")
-    if not address or not temp_dir:
+    if not address or not temp_dir or recorded.get("format") != HEAD_FORMAT:
+        # An older shardcache's head (auth off or ~/.ray's token, the host's
+        # address) is not joined: start_head replaces it.
         return None
     if not any("gcs_server" in cmdline(p) for p in processes_naming(str(temp_dir))):
         return None  # a reused port must not pass for our head
@@ -155,7 +158,12 @@ def start_head(home: Path) -> str:
     """
     temp_dir = ray_temp_dir(home)
     terminate(head_processes(home))
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
+    # RAY_AUTH_TOKEN would win over our token file: it is some other cluster's.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")
+    }
     env.update(_auth_env(home))
     env.update({
         LOCAL_ONLY: "0",
@@ -178,7 +186,12 @@ def start_head(home: Path) -> str:
         )
     # With --temp-dir, Ray records the head's address there, not in /tmp/ray.
     address = (temp_dir / "ray_current_cluster").read_text().strip()
-    state = {"started": time.time(), "temp_dir": str(temp_dir), "address": address}
+    state = {
+        "format": HEAD_FORMAT,
+        "started": time.time(),
+        "temp_dir": str(temp_dir),
+        "address": address,
+    }
     fd = os.open(home / "ray.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(state, f)
