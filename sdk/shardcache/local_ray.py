@@ -100,6 +100,10 @@ def _token_path(home: Path) -> Path:
     return write_token(home / "ray_token")
 
 
+def _token_digest(home: Path) -> str:
+    return hashlib.sha256(_token_path(home).read_bytes()).hexdigest()
+
+
 def write_token(path: Path) -> Path:
     """A Ray token at ``path``, created once, 0600 (O_EXCL: two ranks never
     both write it); returns ``path``."""
@@ -137,6 +141,10 @@ def running_head(home: Path) -> str | None:
     if not address or not temp_dir or recorded.get("format") != HEAD_FORMAT:
         # An older shardcache's head (auth off or ~/.ray's token, the host's
         # address) is not joined: start_head replaces it.
+        return None
+    if recorded.get("token_sha256") != _token_digest(home):
+        # The token file was removed or rewritten since the head started: a
+        # join would retry InvalidAuthToken for ~24 s and fail. Replace it.
         return None
     if not any("gcs_server" in cmdline(p) for p in processes_naming(str(temp_dir))):
         return None  # a reused port must not pass for our head
@@ -191,6 +199,7 @@ def start_head(home: Path) -> str:
         "started": time.time(),
         "temp_dir": str(temp_dir),
         "address": address,
+        "token_sha256": _token_digest(home),
     }
     fd = os.open(home / "ray.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:

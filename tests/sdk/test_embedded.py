@@ -73,3 +73,16 @@ def test_running_head_ignores_a_head_recorded_by_an_older_shardcache(
         json.dumps({"temp_dir": str(tmp_path), "address": "127.0.0.1:1"})
     )
     assert local_ray.running_head(home) is None
+
+
+def test_running_head_ignores_a_head_started_with_another_token(tmp_path, monkeypatch):
+    # Joining would retry InvalidAuthToken for ~24 s: the head is replaced.
+    monkeypatch.setenv("SHARDCACHE_HOME", str(tmp_path / "home"))
+    home = embedded.state_dir()
+    (home / "ray.json").write_text(
+        json.dumps({
+            "format": local_ray.HEAD_FORMAT, "temp_dir": str(tmp_path),
+            "address": "127.0.0.1:1", "token_sha256": "0" * 64,
+        })
+    )  # fmt: skip
+    assert local_ray.running_head(home) is None
