@@ -42,6 +42,7 @@ from typing import Any
 from shardcache.errors import ShardUnavailable
 from shardcache.processes import (
     cmdline,
+    processes_holding,
     processes_marked,
     processes_naming,
     terminate,
@@ -55,6 +56,8 @@ __all__ = [
     "running_head",
     "start_head",
     "stop_head",
+    "use_token_file",
+    "write_token",
 ]
 
 HEAD_MARKER = "SHARDCACHE_RAY_TEMP_DIR"  # in the env of every process of our head
@@ -62,6 +65,7 @@ LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps to 127.0.0.1
 RAY_START_TIMEOUT_S = 120.0
 RAY_TEMP_DIR_MAX_CHARS = 40  # session and socket names add ~65 of Ray's 107 bytes
 PROBE_TIMEOUT_S = 0.5  # a TCP connect to our own loopback GCS
+HEAD_FORMAT = 2  # ray.json's "format": 2 = token auth with our token, loopback
 
 
 def ray_temp_dir(home: Path) -> Path:
@@ -93,8 +97,16 @@ def ray_temp_dir(home: Path) -> Path:
 
 
 def _token_path(home: Path) -> Path:
-    """Our Ray token, created once, 0600 (O_EXCL: two ranks never both write)."""
-    path = home / "ray_token"
+    return write_token(home / "ray_token")
+
+
+def _token_digest(home: Path) -> str:
+    return hashlib.sha256(_token_path(home).read_bytes()).hexdigest()
+
+
+def write_token(path: Path) -> Path:
+    """A Ray token at ``path``, created once, 0600 (O_EXCL: two ranks never
+    both write it); returns ``path``."""
     with contextlib.suppress(FileExistsError):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -111,11 +123,14 @@ def _recorded(home: Path) -> dict[str, Any]:
 
 def head_processes(home: Path) -> list[int]:
     """Every live process of the head started under ``home``: those carrying the
-    marker, plus any whose command line names the temp dir (a head started by
-    an older shardcache carried no marker)."""
+    marker, those whose command line names the temp dir (a head started by an
+    older shardcache carried no marker), and those holding a file open under it
+    (the runtime env agent, whose environment Ray scrubs)."""
     temp_dir = str(_recorded(home).get("temp_dir") or ray_temp_dir(home))
     return sorted(
-        set(processes_marked(HEAD_MARKER, temp_dir)) | set(processes_naming(temp_dir))
+        set(processes_marked(HEAD_MARKER, temp_dir))
+        | set(processes_naming(temp_dir))
+        | set(processes_holding(temp_dir))
     )
 
 
@@ -123,7 +138,13 @@ def running_head(home: Path) -> str | None:
     """The address of our recorded head when its GCS is up, else ``None``."""
     recorded = _recorded(home)
     address, temp_dir = recorded.get("address"), recorded.get("temp_dir")
-    if not address or not temp_dir:
+    if not address or not temp_dir or recorded.get("format") != HEAD_FORMAT:
+        # An older shardcache's head (auth off or ~/.ray's token, the host's
+        # address) is not joined: start_head replaces it.
+        return None
+    if recorded.get("token_sha256") != _token_digest(home):
+        # The token file was removed or rewritten since the head started: a
+        # join would retry InvalidAuthToken for ~24 s and fail. Replace it.
         return None
     if not any("gcs_server" in cmdline(p) for p in processes_naming(str(temp_dir))):
         return None  # a reused port must not pass for our head
@@ -145,7 +166,12 @@ def start_head(home: Path) -> str:
     """
     temp_dir = ray_temp_dir(home)
     terminate(head_processes(home))
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
+    # RAY_AUTH_TOKEN would win over our token file: it is some other cluster's.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")
+    }
     env.update(_auth_env(home))
     env.update({
         LOCAL_ONLY: "0",
@@ -168,7 +194,13 @@ def start_head(home: Path) -> str:
         )
     # With --temp-dir, Ray records the head's address there, not in /tmp/ray.
     address = (temp_dir / "ray_current_cluster").read_text().strip()
-    state = {"started": time.time(), "temp_dir": str(temp_dir), "address": address}
+    state = {
+        "format": HEAD_FORMAT,
+        "started": time.time(),
+        "temp_dir": str(temp_dir),
+        "address": address,
+        "token_sha256": _token_digest(home),
+    }
     fd = os.open(home / "ray.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(state, f)
@@ -179,23 +211,36 @@ def _auth_env(home: Path) -> dict[str, str]:
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(_token_path(home))}
 
 
-def join_local_head(home: Path, address: str, **init_kwargs: Any) -> None:
-    """``ray.init`` this process into our head at ``address``.
+def use_token_file(token_file: Path) -> None:
+    """Make this process, and the processes it starts, use Ray token auth with
+    the token in ``token_file`` (a private cluster's: ours, or the demo's).
 
-    The driver must present our token and keep to loopback too. Ray reads the
-    auth mode and token once and caches them (``RayConfig``, the C++ token
-    loader), and this process may have imported ray long before, so both are
-    refreshed here, as Ray's own ``_enable_token_auth`` does. ``RAY_AUTH_TOKEN``
-    would win over our path; it belongs to some other cluster, so it goes.
+    Ray reads the auth mode and token once and caches them (``RayConfig``, the
+    C++ token loader), and this process may have imported ray long before, so
+    both are refreshed here, as Ray's own ``_enable_token_auth`` does.
+    ``RAY_AUTH_TOKEN`` would win over the file; it belongs to some other
+    cluster, so it goes. An explicit mode also keeps Ray from warning that it
+    turned token auth on (or off) by itself.
     """
-    import ray
-    from ray._private import ray_constants
     from ray._raylet import AuthenticationTokenLoader, Config
 
-    os.environ.update(_auth_env(home))
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file))
     os.environ.pop("RAY_AUTH_TOKEN", None)
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+def join_local_head(home: Path, address: str, **init_kwargs: Any) -> None:
+    """``ray.init`` this process into our head at ``address``, with our token
+    and kept to loopback.
+
+    Raises:
+        ShardUnavailable: the head refused or did not answer.
+    """
+    import ray
+    from ray._private import ray_constants
+
+    use_token_file(_token_path(home))
     # Read at import time from LOCAL_ONLY; without it Ray turns our
     # "127.0.0.1:port" into the host's address and the connect times out.
     ray_constants.ENABLE_RAY_CLUSTER = False

@@ -5,7 +5,9 @@ Ray renames most of its processes (``ray::CacheShard``, ``ray::IDLE``,
 name the temp dir they belong to. Their environment does: every process of a
 Ray head inherits the environment ``ray start`` ran with, so the head
 shardcache starts carries a marker variable, and that is how its processes are
-found again, however Ray renamed them and whoever their parent is now.
+found again, however Ray renamed them and whoever their parent is now. The
+one exception, the runtime env agent, starts with a scrubbed environment; it
+writes its logs under the temp dir, so holding a file open there counts too.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 __all__ = [
     "cmdline",
     "is_alive",
+    "processes_holding",
     "processes_marked",
     "processes_naming",
     "terminate",
@@ -64,6 +67,30 @@ def processes_marked(name: str, value: str) -> list[int]:
     """Pids whose environment holds ``name=value`` exactly."""
     entry = f"{name}={value}".encode()
     return [pid for pid in _pids() if entry in _environ(pid).split(b"\0")]
+
+
+def processes_holding(path: str) -> list[int]:
+    """Pids of Ray's renamed processes (``ray::...``) with a file open under
+    ``path`` (a directory). Only those: a driver (the user's training script)
+    holds its log files there too, and is not ours to stop."""
+    prefix = path.rstrip("/") + "/"
+    found = []
+    for pid in _pids():
+        if not cmdline(pid).startswith("ray::"):
+            continue
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue  # gone, or another user's
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith(prefix):
+                found.append(pid)
+                break
+    return found
 
 
 def is_alive(pid: int) -> bool:

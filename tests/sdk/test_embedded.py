@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -59,3 +60,29 @@ def test_local_stop_stops_only_the_ray_head_and_redis_shardcache_started(
 
 def _alive(pid: int) -> bool:
     return processes.is_alive(pid)
+
+
+def test_running_head_ignores_a_head_recorded_by_an_older_shardcache(
+    tmp_path, monkeypatch
+):
+    # An older head ran without our token (or with ~/.ray's) on the host's
+    # address: it is never joined; start_head replaces it.
+    monkeypatch.setenv("SHARDCACHE_HOME", str(tmp_path / "home"))
+    home = embedded.state_dir()
+    (home / "ray.json").write_text(
+        json.dumps({"temp_dir": str(tmp_path), "address": "127.0.0.1:1"})
+    )
+    assert local_ray.running_head(home) is None
+
+
+def test_running_head_ignores_a_head_started_with_another_token(tmp_path, monkeypatch):
+    # Joining would retry InvalidAuthToken for ~24 s: the head is replaced.
+    monkeypatch.setenv("SHARDCACHE_HOME", str(tmp_path / "home"))
+    home = embedded.state_dir()
+    (home / "ray.json").write_text(
+        json.dumps({
+            "format": local_ray.HEAD_FORMAT, "temp_dir": str(tmp_path),
+            "address": "127.0.0.1:1", "token_sha256": "0" * 64,
+        })
+    )  # fmt: skip
+    assert local_ray.running_head(home) is None
