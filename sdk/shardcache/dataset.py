@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import sys
@@ -50,6 +51,8 @@ RANK_REPORT_EVERY = 50  # batches between best-effort rank reports to Redis
 DEFAULT_DATASET_CHUNK_SAMPLES = 256  # from_dataset: sample sizes are unknown at listing
 CONSISTENCY_MODES = ("epoch", "batch")  # when a rank picks up a new generation
 REVALIDATE_MODES = ("job", "never")  # or a number: seconds a listing stays fresh
+ON_ERROR_MODES = ("raise", "skip")  # a sample whose object cannot be read or built
+log = logging.getLogger("shardcache")
 
 
 def _open_token(revalidate: str | float, job: str) -> str:
@@ -204,6 +207,12 @@ class DistributedCachedDataset(Dataset[Any]):
             objects; packed sources list files, not samples. If the source
             cannot be listed the job stops with the listing's error unless
             ``"never"`` finds a listing to start on.
+        on_error: a sample whose object cannot be read or built (gone,
+            unreadable, ``preprocess`` raised) raises its error at its batch
+            (``"raise"``, the default) or, with ``"skip"``, is replaced by
+            another sample of the same batch, so the epoch's length and every
+            rank's step count stay equal; skipped samples are counted in
+            ``stats()["skipped"]``, ``shardcache stats`` and the dashboard.
         job: this run's id on the dashboard and for the listing above.
             Defaults to ``SHARDCACHE_JOB``, then the launcher's run id
             (Ray Train, torchrun), then one id made by the first rank and
@@ -258,6 +267,7 @@ class DistributedCachedDataset(Dataset[Any]):
         allow_remote: bool | None = None,
         version: str | None = None,
         revalidate: str | float = "job",
+        on_error: str = "raise",
     ):
         for label, fn in (
             ("preprocess", preprocess),
@@ -269,6 +279,12 @@ class DistributedCachedDataset(Dataset[Any]):
                     f"{label} must be callable or None, got {type(fn).__name__}."
                 )
             check_picklable(fn, label)
+        if on_error not in ON_ERROR_MODES:
+            raise ConfigError(
+                f"on_error must be one of {', '.join(map(repr, ON_ERROR_MODES))}, "
+                f"got {on_error!r}."
+            )
+        self.on_error = on_error
         if consistency not in CONSISTENCY_MODES:
             raise ConfigError(
                 f"consistency must be one of {', '.join(map(repr, CONSISTENCY_MODES))}, "
@@ -480,7 +496,9 @@ class DistributedCachedDataset(Dataset[Any]):
             "bytes": 0,
             "samples": 0,
             "generation_switches": 0,
+            "skipped": 0,
         }
+        self._warned_skip = False
         self._consumed = 0
         self._cursor = 0
         self._batch_size = 0
@@ -650,14 +668,7 @@ class DistributedCachedDataset(Dataset[Any]):
         for attempt in range(3):
             reader.use_generation(self._current_generation())
             try:
-                return (
-                    reader,
-                    reader.chunks_for(chunk_ids),
-                    chunk_ids,
-                    rows,
-                    idx,
-                    started,
-                )
+                chunks = reader.chunks_for(chunk_ids)
             except StaleVersionError:
                 if attempt == 2:
                     raise
@@ -665,7 +676,28 @@ class DistributedCachedDataset(Dataset[Any]):
                 # generation at this batch boundary, never within a batch.
                 self._snapshot_due = True
                 self._counts["generation_switches"] += 1
+                continue
+            if self.on_error == "skip":
+                chunk_ids, rows, idx, skipped = reader.substitute_failed(
+                    chunks, chunk_ids, rows, idx
+                )
+                if skipped:
+                    self._note_skipped(skipped)
+            return reader, chunks, chunk_ids, rows, idx, started
         raise AssertionError("unreachable")
+
+    def _note_skipped(self, skipped: list[int]) -> None:
+        self._counts["skipped"] += len(skipped)
+        self._usage.skipped(len(skipped))
+        if not self._warned_skip:
+            self._warned_skip = True
+            log.warning(
+                "shardcache: dataset %s: skipping samples that could not be read "
+                "or built (on_error='skip'), first %s; each is replaced by another "
+                "sample of its batch and counted as skipped in stats()",
+                self.name,
+                ", ".join(repr(self.manifest.url(i)) for i in skipped[:3]),
+            )
 
     def _finish_batch(
         self,

@@ -255,6 +255,48 @@ class ChunkReader:
                     f"sample {int(indices[j])} ({url!r}) could not be built: {message}"
                 )
 
+    def substitute_failed(
+        self,
+        chunks: dict[int, Chunk],
+        chunk_ids: np.ndarray,
+        rows: np.ndarray,
+        indices: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
+        """``on_error="skip"``: every sample whose object could not be read or
+        built is replaced by a good sample of the same batch (the next one,
+        cycling), so the batch and the epoch keep their length and every
+        rank its step count. Returns the new ``(chunk_ids, rows, indices)``
+        and the skipped sample indices.
+
+        Raises:
+            RemoteFetchError (or the build's own error): no sample of the
+                batch could be built, so there is nothing to stand in.
+        """
+        if not any(chunks[c].has_failures for c in np.unique(chunk_ids).tolist()):
+            return chunk_ids, rows, indices, []
+        failed = np.fromiter(
+            (
+                bool(chunks[c].failed[r])
+                for c, r in zip(chunk_ids.tolist(), rows.tolist(), strict=True)
+            ),
+            dtype=bool,
+            count=len(rows),
+        )
+        bad = np.flatnonzero(failed)
+        good = np.flatnonzero(~failed)
+        if len(good) == 0:
+            j = int(bad[0])
+            self._raise_failed([chunks[int(chunk_ids[j])]], [int(rows[j])], indices[j:])
+        stand_in = good[np.arange(len(bad)) % len(good)]
+        skipped = indices[bad].tolist()
+        chunk_ids, rows, indices = chunk_ids.copy(), rows.copy(), indices.copy()
+        chunk_ids[bad], rows[bad], indices[bad] = (
+            chunk_ids[stand_in],
+            rows[stand_in],
+            indices[stand_in],
+        )
+        return chunk_ids, rows, indices, skipped
+
     # -- resolution ---------------------------------------------------------------------
     def _resolve(self, chunks: list[int], generation: int) -> dict[int, Chunk]:
         items = self.manifest.chunk_items(chunks, self.versions)

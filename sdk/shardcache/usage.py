@@ -147,6 +147,7 @@ class UsageTotals:
     waits: int = 0
     lost_samples: int = 0
     lost_bytes: int = 0
+    skipped: int = 0  # samples replaced because their object could not be built
 
     @classmethod
     def from_hash(cls, raw: Mapping[str, str]) -> UsageTotals:
@@ -208,6 +209,7 @@ class UsageTotals:
             "blocked_s": self.blocked_s,
             "lost_samples": self.lost_samples,
             "lost_bytes": self.lost_bytes,
+            "skipped": self.skipped,
         }
 
 
@@ -342,6 +344,13 @@ class UsageReporter:
             counts = self._buckets.setdefault(bucket, {})
             counts[names[0]] = counts.get(names[0], 0) + samples
             counts[names[1]] = counts.get(names[1], 0) + nbytes
+
+    def skipped(self, samples: int) -> None:
+        """Count samples replaced under ``on_error="skip"`` (not delivered)."""
+        bucket = int(self._clock()) // SERIES_BUCKET_S * SERIES_BUCKET_S
+        with self._lock:
+            counts = self._buckets.setdefault(bucket, {})
+            counts["skipped"] = counts.get("skipped", 0) + samples
 
     def waited(self, seconds: float, epoch: int) -> None:
         """Count time the training loop was blocked waiting for a batch."""

@@ -293,6 +293,11 @@ def stats(
                     str(f["gets_saved"]),
                     f"{f['blocked_s']:.1f}",
                 )
+                if f["skipped"]:
+                    lost.append(
+                        f"{ds} {label}: {f['skipped']} samples skipped "
+                        "(on_error='skip'): their objects could not be read or built"
+                    )
                 if f["lost_samples"]:
                     lost.append(
                         f"{ds} {label}: {f['lost_samples']} samples served while "

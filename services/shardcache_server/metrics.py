@@ -64,6 +64,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("dataset",),
         "samples delivered but never reported: Redis was unreachable too long",
     ),
+    "shardcache_samples_skipped_total": (
+        "counter",
+        ("dataset",),
+        "samples replaced by another of their batch (on_error='skip'): their "
+        "object could not be read or built",
+    ),
     "shardcache_rank_unreported": (
         "gauge",
         ("dataset", "job", "rank"),
@@ -163,6 +169,7 @@ class RedisCollector:
             add("shardcache_hit_rate", [ds], t.hit_rate)
             add("shardcache_byte_hit_rate", [ds], t.byte_hit_rate)
             add("shardcache_samples_lost_total", [ds], t.lost_samples)
+            add("shardcache_samples_skipped_total", [ds], t.skipped)
             for job, jt in usage.jobs(ds).items():
                 for o in ORIGINS:
                     add(
