@@ -47,6 +47,23 @@ def redis_url(
     proc.wait(timeout=10)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_state_dir(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[None]:
+    """Tests never touch the real ``~/.cache/shardcache``: whatever falls back
+    to the embedded defaults (a spawned worker, a subprocess that inherits
+    this environment) starts them in a temp state dir, stopped at the end.
+    Tests that need a state dir of their own still set ``SHARDCACHE_HOME``."""
+    from shardcache.embedded import stop_local
+
+    patch = pytest.MonkeyPatch()
+    patch.setenv("SHARDCACHE_HOME", str(tmp_path_factory.mktemp("state")))
+    yield
+    stop_local()
+    patch.undo()
+
+
 @pytest.fixture
 def redis(redis_url: str) -> Iterator[Any]:
     import redis as redis_py

@@ -81,6 +81,12 @@ class CacheClient:
         from shardcache.embedded import attach_ray
 
         attach_ray(self.config.ray_address)
+        if self.config.ray_address is None:
+            import ray
+
+            # DataLoader workers get this config pickled: they must join the
+            # cluster this process joined, not look for one of their own.
+            self.config.ray_address = ray.get_runtime_context().gcs_address
         if self._store is None:
             self._store = self._start_stores()
 

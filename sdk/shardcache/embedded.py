@@ -199,6 +199,11 @@ def attach_ray(
         "configure_logging": True,
     }
     explicit = address or os.environ.get("RAY_ADDRESS")
+    if explicit and explicit == local_ray.recorded_address(state_dir()):
+        # Our own head named explicitly (a DataLoader worker is handed the
+        # address its rank joined): it still needs our token and loopback.
+        local_ray.join_local_head(state_dir(), explicit, **kwargs)
+        return
     if explicit:
         try:
             ray.init(address=explicit, **kwargs)

@@ -53,6 +53,7 @@ __all__ = [
     "head_processes",
     "join_local_head",
     "ray_temp_dir",
+    "recorded_address",
     "running_head",
     "start_head",
     "stop_head",
@@ -119,6 +120,12 @@ def _recorded(home: Path) -> dict[str, Any]:
         return dict(json.loads((home / "ray.json").read_text()))
     except (OSError, ValueError):
         return {}
+
+
+def recorded_address(home: Path) -> str | None:
+    """The address of the head recorded under ``home``, alive or not."""
+    address = _recorded(home).get("address")
+    return str(address) if address else None
 
 
 def head_processes(home: Path) -> list[int]:
