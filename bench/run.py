@@ -684,6 +684,9 @@ def main() -> None:
         args.nodes, args.object_store_mb * 2**20, cpus_per_node
     )
     ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
+    # The spawned torch ranks join this cluster: the SDK never joins one it
+    # finds by "auto" unless told to.
+    os.environ["RAY_ADDRESS"] = cluster.address
     ctx = Context(emulator, redis_url, _raylet_pids(cluster))
     results: list[dict[str, Any]] = []
     try:

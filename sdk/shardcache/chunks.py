@@ -52,6 +52,10 @@ PLAIN_FIELD = "_"  # the field name of samples that are a single array
 FAILED = "__failed__"
 ERRORS = "__errors__"
 TARGET = "__target__"
+# Rows a partial rebuild read from the source (the rest were copied from the
+# old chunk); absent when every row was read. Ranks count only these as
+# source reads, so a changed object costs one "miss", not its whole chunk.
+SOURCED = "__sourced__"
 
 Value = Any  # np.ndarray | dict[str, np.ndarray]
 
@@ -240,6 +244,7 @@ class Chunk:
         self.stacked = {f: columns[f] for f in self.fields if f in columns}
         self.nbytes = int(sum(v.nbytes for v in columns.values()))
         self.targets = columns.get(TARGET)
+        self.sourced = columns.get(SOURCED)
 
     def __len__(self) -> int:
         return len(self.failed)

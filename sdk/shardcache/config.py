@@ -24,9 +24,12 @@ class ClientConfig(BaseSettings):
     Args:
         redis_url: Redis index URL (``redis://`` or ``rediss://``). ``None`` starts
             or finds the embedded local Redis. Defaults to ``None``.
-        ray_address: Ray cluster address. ``None`` attaches to the cluster this
-            process already joined, or a running local one, or starts one.
-            Defaults to ``None``.
+        ray_address: Ray cluster address (``"auto"``: the Ray node running on
+            this machine, e.g. in a pod that ran ``ray start``). ``None``
+            attaches to the cluster this process already joined, else to
+            ``RAY_ADDRESS`` when set, else to this user's embedded head
+            (loopback, token auth; started when none runs), never to a
+            cluster found by ``"auto"`` unasked. Defaults to ``None``.
         namespace: deployment namespace; prefixes every Redis key and names the
             Ray namespace of the store actors, so tenants sharing one Redis are
             isolated. Defaults to ``"default"``.

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from shardcache.changes import describe_changes
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
 from shardcache.client import CacheClient
 from shardcache.config import ClientConfig
@@ -23,10 +24,13 @@ from shardcache.endpoint import open_client
 from shardcache.errors import (
     ConfigError,
     IndexUnavailable,
+    RemoteFetchError,
     StaleVersionError,
     TransformError,
 )
 from shardcache.fingerprint import dataset_fingerprint, fingerprint, log_new_generation
+from shardcache.flusher import at_exit, keep_flushed
+from shardcache.job import resolve_job
 from shardcache.keys import validate_name
 from shardcache.loader import BatchLoader
 from shardcache.manifest import Manifest
@@ -36,7 +40,7 @@ from shardcache.reader import ChunkReader
 from shardcache.resume import apply_state, current_node, gather_states, merge_states
 from shardcache.sampler import ShardSampler
 from shardcache.source import open_remote
-from shardcache.usage import FLUSH_INTERVAL_S, ORIGINS, UsageReader, UsageReporter
+from shardcache.usage import ORIGINS, UsageReader, UsageReporter
 from shardcache.waits import WaitRecorder
 from shardcache.warmup import warm_chunks
 from shardcache.world import World
@@ -46,9 +50,32 @@ __all__ = ["DistributedCachedDataset"]
 RANK_REPORT_EVERY = 50  # batches between best-effort rank reports to Redis
 DEFAULT_DATASET_CHUNK_SAMPLES = 256  # from_dataset: sample sizes are unknown at listing
 CONSISTENCY_MODES = ("epoch", "batch")  # when a rank picks up a new generation
-# Arrays from the Ray object store are read-only views of shared memory; torch
-# warns about each one. The dataset documents the contract instead.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+REVALIDATE_MODES = ("job", "never")  # or a number: seconds a listing stays fresh
+ON_ERROR_MODES = ("raise", "skip")  # a sample whose object cannot be read or built
+log = logging.getLogger("shardcache")
+
+
+def _open_token(revalidate: str | float, job: str) -> str:
+    """The listing token a new dataset sends (``listing.py``): one listing per
+    job, none at all, or one no older than N seconds.
+
+    >>> _open_token("job", "abc"), _open_token("never", "abc"), _open_token(600, "x")
+    ('open/abc', '', 'max-age/600.0')
+    """
+    if revalidate == "job":
+        return f"open/{job}"
+    if revalidate == "never":
+        return ""
+    if (
+        isinstance(revalidate, int | float)
+        and not isinstance(revalidate, bool)
+        and revalidate > 0
+    ):
+        return f"max-age/{float(revalidate)}"
+    raise ConfigError(
+        f"revalidate must be 'job', 'never' or a number of seconds > 0, got "
+        f"{revalidate!r}."
+    )
 
 
 def default_name(urls: str | Sequence[str]) -> str:
@@ -169,6 +196,28 @@ class DistributedCachedDataset(Dataset[Any]):
             ``None`` (the whole shard).
         seed, drop_last: as for DistributedSampler.
         prefetch_batches: batches whose chunks are resolved ahead.
+        revalidate: when a new job re-lists the source. ``"job"`` (the
+            default): once per job, when its ranks construct the dataset
+            (one listing answers all of them; objects whose ETag changed
+            are re-read, nothing else). ``"never"``: start on the listing
+            the cluster already holds (lists only when it holds none), for
+            huge immutable datasets. A number N: reuse a listing begun less
+            than N seconds ago. A listing costs one LIST request per 1,000
+            keys on S3: about 10,000 sequential requests, minutes, for 10M
+            objects; packed sources list files, not samples. If the source
+            cannot be listed the job stops with the listing's error unless
+            ``"never"`` finds a listing to start on.
+        on_error: a sample whose object cannot be read or built (gone,
+            unreadable, ``preprocess`` raised) raises its error at its batch
+            (``"raise"``, the default) or, with ``"skip"``, is replaced by
+            another sample of the same batch, so the epoch's length and every
+            rank's step count stay equal; skipped samples are counted in
+            ``stats()["skipped"]``, ``shardcache stats`` and the dashboard.
+        job: this run's id on the dashboard and for the listing above.
+            Defaults to ``SHARDCACHE_JOB``, then the launcher's run id
+            (Ray Train, torchrun), then one id made by the first rank and
+            shared through torchrun's or the process group's store: two
+            runs of one script are two jobs (``shardcache.job``).
         consistency: ``"epoch"`` (the default) reads the generation once at
             ``set_epoch``, so an invalidation from elsewhere mid-epoch takes
             effect at the next epoch and the rank finishes on the bytes it
@@ -217,6 +266,8 @@ class DistributedCachedDataset(Dataset[Any]):
         source_version: str | None = None,
         allow_remote: bool | None = None,
         version: str | None = None,
+        revalidate: str | float = "job",
+        on_error: str = "raise",
     ):
         for label, fn in (
             ("preprocess", preprocess),
@@ -228,6 +279,12 @@ class DistributedCachedDataset(Dataset[Any]):
                     f"{label} must be callable or None, got {type(fn).__name__}."
                 )
             check_picklable(fn, label)
+        if on_error not in ON_ERROR_MODES:
+            raise ConfigError(
+                f"on_error must be one of {', '.join(map(repr, ON_ERROR_MODES))}, "
+                f"got {on_error!r}."
+            )
+        self.on_error = on_error
         if consistency not in CONSISTENCY_MODES:
             raise ConfigError(
                 f"consistency must be one of {', '.join(map(repr, CONSISTENCY_MODES))}, "
@@ -268,12 +325,11 @@ class DistributedCachedDataset(Dataset[Any]):
         self.preprocess = preprocess or (as_arrays if self.format else raw_bytes)
         self.transform = transform
         self.target = target
-        self.job = (
-            job
-            or os.environ.get("TORCHELASTIC_RUN_ID")
-            or os.environ.get("SHARDCACHE_JOB")
-            or "job"
-        )
+        open_token = _open_token(revalidate, "")  # validated before any I/O
+        self._job = resolve_job(job)
+        self.job = self._job.id
+        if open_token:
+            open_token = _open_token(revalidate, self.job)
         self._spec = {
             "name": self.name,
             "urls": urls if isinstance(urls, str) else list(urls),
@@ -300,7 +356,17 @@ class DistributedCachedDataset(Dataset[Any]):
                 "the cache's Ray nodes); pods reading through the node-local endpoint "
                 "or remotely can read packed files (format=) instead."
             )
-        ref, self.digest = self._client.manifest(self._spec)
+        try:
+            ref, self.digest = self._client.manifest(self._spec, open_token)
+        except RemoteFetchError as exc:
+            if not open_token.startswith("open/"):
+                raise
+            # Same type, so callers' handlers still match; the message adds
+            # the opt-out a job with an immutable source may want.
+            raise type(exc)(
+                f"{exc} (a new job revalidates the listing of {self.urls!r}; pass "
+                "revalidate='never' to start on the listing the cluster holds)"
+            ) from exc
         self.manifest = self._map_manifest(ref)
         if self.format is None and preprocess is None and source_dataset is None:
             # One reading whether the objects came from a prefix, a glob or a
@@ -430,7 +496,9 @@ class DistributedCachedDataset(Dataset[Any]):
             "bytes": 0,
             "samples": 0,
             "generation_switches": 0,
+            "skipped": 0,
         }
+        self._warned_skip = False
         self._consumed = 0
         self._cursor = 0
         self._batch_size = 0
@@ -443,7 +511,8 @@ class DistributedCachedDataset(Dataset[Any]):
             self.rank,
             redis_url=self._client.redis_url if self.config.redis_url else "",
         )
-        self._usage_flushed_at = time.monotonic()
+        keep_flushed(self._usage)
+        at_exit(self._final_report)
 
     @property
     def usage_reporter(self) -> UsageReporter:
@@ -599,14 +668,7 @@ class DistributedCachedDataset(Dataset[Any]):
         for attempt in range(3):
             reader.use_generation(self._current_generation())
             try:
-                return (
-                    reader,
-                    reader.chunks_for(chunk_ids),
-                    chunk_ids,
-                    rows,
-                    idx,
-                    started,
-                )
+                chunks = reader.chunks_for(chunk_ids)
             except StaleVersionError:
                 if attempt == 2:
                     raise
@@ -614,7 +676,28 @@ class DistributedCachedDataset(Dataset[Any]):
                 # generation at this batch boundary, never within a batch.
                 self._snapshot_due = True
                 self._counts["generation_switches"] += 1
+                continue
+            if self.on_error == "skip":
+                chunk_ids, rows, idx, skipped = reader.substitute_failed(
+                    chunks, chunk_ids, rows, idx
+                )
+                if skipped:
+                    self._note_skipped(skipped)
+            return reader, chunks, chunk_ids, rows, idx, started
         raise AssertionError("unreachable")
+
+    def _note_skipped(self, skipped: list[int]) -> None:
+        self._counts["skipped"] += len(skipped)
+        self._usage.skipped(len(skipped))
+        if not self._warned_skip:
+            self._warned_skip = True
+            log.warning(
+                "shardcache: dataset %s: skipping samples that could not be read "
+                "or built (on_error='skip'), first %s; each is replaced by another "
+                "sample of its batch and counted as skipped in stats()",
+                self.name,
+                ", ".join(repr(self.manifest.url(i)) for i in skipped[:3]),
+            )
 
     def _finish_batch(
         self,
@@ -636,9 +719,6 @@ class DistributedCachedDataset(Dataset[Any]):
             if delta[origin]:
                 self._usage.served(origin, delta[origin], delta[f"{origin}_bytes"])
         self._usage.waited(waited, self._sampler.epoch)
-        if time.monotonic() - self._usage_flushed_at >= FLUSH_INTERVAL_S:
-            self._usage_flushed_at = time.monotonic()
-            reader.submit(self._usage.flush)
         n = len(idx)
         self._counts["samples"] += n
         self._consumed += n
@@ -653,7 +733,12 @@ class DistributedCachedDataset(Dataset[Any]):
             whole = self._waits.batches == 1 and not reader.saw_uncached
             span = len(order) if whole else window
             reader.prefetch(order[self._cursor : self._cursor + span])
-        if self._waits.batches % RANK_REPORT_EVERY == 0:
+        if self._cursor >= len(self._sampler):
+            # The rank's share of the epoch is delivered: its numbers go out
+            # now, not whenever the next epoch (or the exit) comes.
+            reader.submit(self._usage.flush)
+            self._report_rank(in_background=True)
+        elif self._waits.batches % RANK_REPORT_EVERY == 0:
             self._report_rank(in_background=True)
 
     def _call_transform(self, idx: int, sample: Any) -> Any:
@@ -689,6 +774,11 @@ class DistributedCachedDataset(Dataset[Any]):
         out: dict[str, Any] = {
             "rank": self.rank,
             "dataset": self.name,
+            "job": self.job,
+            "job_source": self._job.source,
+            # The counters below are this process's; DataLoader workers count
+            # (and report) their own: "job_totals" is every process of the job.
+            "counts": "this process",
             "generation": self.generation,
             **self._counts,
             "batches": self._waits.batches,
@@ -702,9 +792,11 @@ class DistributedCachedDataset(Dataset[Any]):
         out["hit_rate"] = out["hits"] / total if total else 0.0
         try:
             reader = UsageReader(self._client.index.client, self.config.namespace)
+            self._usage.flush()  # so job_totals include this process's last batch
             out["cluster"] = reader.totals(self.name).as_dict()
+            out["job_totals"] = reader.job_totals(self.name, self.job).as_dict()
         except IndexUnavailable:
-            out["cluster"] = None
+            out["cluster"] = out["job_totals"] = None
         return out
 
     def _report_rank(self, in_background: bool = False) -> None:
@@ -852,9 +944,32 @@ class DistributedCachedDataset(Dataset[Any]):
             ConfigError: the state belongs to another dataset, seed or mode, or
                 one rank's state is given for another world size.
         """
+        self._check_listing_of(state)
         consumed = apply_state(self._sampler, state, self.digest, nodes)
         self._consumed = consumed
         self._cursor = consumed
+
+    def _check_listing_of(self, state: Any) -> None:
+        """A state saved on another listing (objects changed since the saving
+        job) cannot place its samples: say which objects changed.
+
+        Raises:
+            ConfigError: the listing differs; names the changed objects.
+        """
+        states = [state] if isinstance(state, dict) else list(state)
+        saved = states[0].get("manifest") if states else None
+        if saved is None or saved == self.digest:
+            return
+        try:
+            old = self._map_manifest(self._client.manifest_of(self.name, saved))
+            what = describe_changes(old, self.manifest)
+        except StaleVersionError:
+            what = "the listing it was saved on is no longer held by the cluster"
+        raise ConfigError(
+            f"state_dict was saved on another listing of {self.urls!r} ({what}); "
+            "its positions would not match today's shards. Start the epoch over "
+            "(skip load_state_dict), or restore those objects and resume."
+        )
 
     def warm(
         self, steps: int, batch_size: int, *, progress: bool = True
@@ -902,9 +1017,26 @@ class DistributedCachedDataset(Dataset[Any]):
                 out[owner] = out.get(owner, 0) + n
         return out
 
+    def _final_report(self) -> None:
+        """At process exit (``shardcache.flusher``): the last rank report;
+        the usage counts are flushed right after."""
+        if self._pid == os.getpid():
+            self._report_rank()
+
     def close(self) -> None:
-        """Report final stats and stop the prefetch threads."""
+        """Report final stats and stop the prefetch threads.
+
+        Never required for the numbers to be right: they are flushed every
+        second and at process exit. ``with DistributedCachedDataset(...) as
+        ds:`` calls it.
+        """
         self._report_rank()
         if self._reader is not None:
             self._reader.close()
         self._usage.close()
+
+    def __enter__(self) -> DistributedCachedDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,37 +1,39 @@
-"""Embedded defaults: one local Redis and one local Ray cluster per machine.
+"""Embedded defaults: one local Redis and one local Ray head per user and machine.
 
 Several ranks started at once on one machine must end up sharing one Redis
-and one Ray cluster, so starting either is guarded by a file lock and the
-result recorded in a state file (mode 0600, it holds the Redis password).
+and one Ray head, so starting either is guarded by a file lock and the
+result recorded in a state file of the user's state dir (mode 0600, it holds
+the Redis password). Both listen on 127.0.0.1 and require a secret (Redis a
+password, Ray a token; ``local_ray`` explains the Ray side). Read-only
+callers (the CLI's ``ls``, ``stats``, ``verify``, ``dashboard``) use
+``running_redis_url`` and ``attach_ray(..., may_start=False)``, which never
+start anything.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
-import re
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from filelock import FileLock
 
+from shardcache import local_ray
 from shardcache.errors import ConfigError, IndexUnavailable, ShardUnavailable
+from shardcache.processes import cmdline, terminate
 
 __all__ = [
     "attach_ray",
     "find_redis_server",
     "local_redis_url",
     "free_port",
+    "running_redis_url",
     "start_loopback_cluster",
     "start_redis_server",
     "state_dir",
@@ -39,9 +41,6 @@ __all__ = [
 ]
 
 REDIS_START_TIMEOUT_S = 10.0
-RAY_START_TIMEOUT_S = 120.0
-RAY_TEMP_DIR_MAX_CHARS = 40  # session and socket names add ~65 of Ray's 107 bytes
-STOP_GRACE_S = 10.0  # SIGTERM to SIGKILL for the processes of our Ray head
 
 
 def state_dir() -> Path:
@@ -140,6 +139,15 @@ def start_redis_server(
     raise IndexUnavailable(f"redis-server did not start on 127.0.0.1:{port}.")
 
 
+def running_redis_url() -> str | None:
+    """The embedded Redis's URL when it runs; ``None`` otherwise. Starts nothing."""
+    try:
+        url = json.loads((state_dir() / "redis.json").read_text())["url"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return str(url) if _redis_alive(url) else None
+
+
 def local_redis_url() -> str:
     """Find or start the machine's embedded Redis (loopback, with a password)."""
     home = state_dir()
@@ -160,11 +168,25 @@ def local_redis_url() -> str:
         return url
 
 
-def attach_ray(address: str | None, *, namespace: str | None = None) -> None:
-    """Join a Ray cluster: ``address``, else the running local one, else start one.
+def attach_ray(
+    address: str | None, *, namespace: str | None = None, may_start: bool = True
+) -> None:
+    """Join a Ray cluster, in this order:
+
+    1. the one this process already joined (a Ray Train worker, an actor);
+    2. ``address``, when given (``ray_address=`` or ``SHARDCACHE_RAY_ADDRESS``);
+    3. ``RAY_ADDRESS`` from the environment, when set: Ray's own convention,
+       which the Ray Jobs API sets for an entrypoint and a launcher or user sets
+       on purpose (``RAY_ADDRESS=auto`` in a pod that ran ``ray start``);
+    4. the embedded head this user's shardcache started (``state_dir()/ray.json``),
+       started here when none runs and ``may_start``.
+
+    Never ``address="auto"`` on our own: it would join any cluster on the
+    machine, another user's included.
 
     Raises:
-        ShardUnavailable: the cluster cannot be reached or started.
+        ShardUnavailable: the cluster cannot be reached or started, or no
+            embedded head runs and ``may_start`` is false.
     """
     import ray
 
@@ -176,80 +198,30 @@ def attach_ray(address: str | None, *, namespace: str | None = None) -> None:
         "logging_level": "WARNING",
         "configure_logging": True,
     }
-    if address is not None:
+    explicit = address or os.environ.get("RAY_ADDRESS")
+    if explicit:
         try:
-            ray.init(address=address, **kwargs)
+            ray.init(address=explicit, **kwargs)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise ShardUnavailable(
-                f"cannot join the Ray cluster at {address!r}: {exc}. Check ray_address / "
-                "RAY_ADDRESS and that the cluster's auth token is available (RAY_AUTH_TOKEN)."
+                f"cannot join the Ray cluster at {explicit!r}: {exc}. Check "
+                "ray_address / SHARDCACHE_RAY_ADDRESS / RAY_ADDRESS and that the "
+                "cluster's auth token is available (RAY_AUTH_TOKEN); unset them "
+                "all to use the embedded local cluster."
             ) from exc
         return
     home = state_dir()
     with FileLock(str(home / "ray.lock")):
-        try:
-            ray.init(address="auto", **kwargs)
-            return
-        except (ConnectionError, RuntimeError, ValueError):
-            pass
-        recorded = _recorded_ray(home)
-        if recorded.get("address"):
-            try:
-                ray.init(address=recorded["address"], **kwargs)
-                return
-            except (ConnectionError, RuntimeError, ValueError):
-                pass
-        ray.init(address=_start_ray_head(home), **kwargs)
-
-
-def _ray_temp_dir(home: Path) -> Path:
-    """The temp dir of the Ray head shardcache starts: every process of that
-    head names it on its command line, which is how ``stop_local`` finds
-    them. Ray's socket paths must fit 107 bytes, so a long state dir gets a
-    short directory under /tmp instead."""
-    own = home / "ray"
-    if len(str(own)) <= RAY_TEMP_DIR_MAX_CHARS:
-        return own
-    digest = hashlib.sha256(str(home).encode()).hexdigest()[:10]
-    return Path(tempfile.gettempdir()) / f"shardcache-ray-{digest}"
-
-
-def _recorded_ray(home: Path) -> dict[str, Any]:
-    try:
-        return dict(json.loads((home / "ray.json").read_text()))
-    except (OSError, ValueError):
-        return {}
-
-
-def _start_ray_head(home: Path) -> str:
-    """``ray start --head`` in shardcache's own temp dir; returns its address."""
-    temp_dir = _ray_temp_dir(home)
-    ray_bin = Path(sys.executable).parent / "ray"
-    cmd = [
-        str(ray_bin),
-        "start",
-        "--head",
-        "--node-ip-address=127.0.0.1",
-        "--include-dashboard=false",
-        "--disable-usage-stats",
-        f"--temp-dir={temp_dir}",
-        "--port=0",  # never the default 6379 another Ray on the machine may hold
-    ]
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=RAY_START_TIMEOUT_S
-    )
-    if done.returncode != 0:
-        raise ShardUnavailable(
-            f"`ray start --head` failed: {done.stderr.strip()[-500:]}"
-        )
-    # With --temp-dir, Ray records the head's address there, not in /tmp/ray.
-    address = (temp_dir / "ray_current_cluster").read_text().strip()
-    (home / "ray.json").write_text(
-        json.dumps(
-            {"started": time.time(), "temp_dir": str(temp_dir), "address": address}
-        )
-    )
-    return address
+        found = local_ray.running_head(home)
+        if found is None and not may_start:
+            raise ShardUnavailable(
+                f"the embedded cache is not running on this machine (no live Ray "
+                f"head recorded in {home / 'ray.json'}). Run a training script or "
+                "`shardcache warm URL` first, or pass --ray-address."
+            )
+        address = found or local_ray.start_head(home)
+    # Outside the lock: every rank of the machine joins at once.
+    local_ray.join_local_head(home, address, **kwargs)
 
 
 def start_loopback_cluster(
@@ -287,9 +259,10 @@ def stop_local() -> list[str]:
     """Stop the embedded Redis and the Ray head that shardcache itself started.
 
     Only those: Redis by the pid it recorded (checked to still be a
-    ``redis-server``), Ray by its own temp dir (the processes whose command
-    line names it), never every Ray process of the machine as
-    ``ray stop --force`` would. Returns what was stopped.
+    ``redis-server``), Ray by the marker its processes carry
+    (``local_ray.head_processes``), never every Ray process of the machine as
+    ``ray stop --force`` would. Returns once they have exited; returns what
+    was stopped.
     """
     home = state_dir()
     stopped = []
@@ -297,76 +270,13 @@ def stop_local() -> list[str]:
     if state.exists():
         try:
             pid = int(json.loads(state.read_text())["pid"])
-            if "redis-server" in _cmdline(pid):
-                os.kill(pid, signal.SIGTERM)
+            if "redis-server" in cmdline(pid):
+                terminate([pid])
                 stopped.append(f"redis (pid {pid})")
-        except (ValueError, KeyError, ProcessLookupError):
+        except (ValueError, KeyError):
             pass
         state.unlink()
-    recorded = _recorded_ray(home)
-    if (home / "ray.json").exists():
-        temp_dir = recorded.get("temp_dir")
-        if temp_dir:
-            pids = _terminate(_processes_naming(str(temp_dir)))
-            stopped.append(f"ray ({len(pids)} processes under {temp_dir})")
-        else:
-            stopped.append(
-                "nothing of ray: it was started by an older shardcache without a "
-                "temp dir of its own; stop it with `ray stop` if nothing else uses it"
-            )
-        (home / "ray.json").unlink()
+    ray_line = local_ray.stop_head(home)
+    if ray_line:
+        stopped.append(ray_line)
     return stopped
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return ""
-    return raw.replace(b"\0", b" ").decode(errors="replace")
-
-
-def _processes_naming(path: str) -> list[int]:
-    """Pids whose command line names ``path`` (a directory) or a path under it."""
-    me = os.getpid()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == me:
-            continue
-        line = _cmdline(int(entry.name))
-        if re.search(re.escape(path.rstrip("/")) + r"(/|\s|$)", line):
-            found.append(int(entry.name))
-    return found
-
-
-KILL_WAIT_S = 5.0  # how long a SIGKILLed process may take to disappear
-
-
-def _terminate(pids: list[int], grace_s: float = STOP_GRACE_S) -> list[int]:
-    """SIGTERM ``pids``, then SIGKILL those still alive after ``grace_s``."""
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.1)
-        alive = [p for p in alive if Path(f"/proc/{p}").exists() and not _zombie(p)]
-    for pid in alive:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    # SIGKILL is delivered asynchronously: return once they are really gone,
-    # so a caller that checks (or restarts) right after sees no survivor.
-    deadline = time.monotonic() + KILL_WAIT_S
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if Path(f"/proc/{p}").exists() and not _zombie(p)]
-        if alive:
-            time.sleep(0.05)
-    return pids
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] == "Z"
-    except (OSError, IndexError):
-        return False

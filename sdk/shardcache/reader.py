@@ -77,6 +77,7 @@ class ChunkReader:
         self._transient: OrderedDict[int, Chunk] = OrderedDict()
         self._transient_bytes = 0
         self._origin: dict[int, str] = {}
+        self._sourced: dict[int, np.ndarray] = {}  # partial rebuilds' source rows
         self._pending: dict[int, Future[None]] = {}
         self.saw_uncached = False  # the stores could not cache a chunk this generation
         self._background: ThreadPoolExecutor | None = None
@@ -109,6 +110,7 @@ class ChunkReader:
             self._transient_bytes = 0
             self._held_bytes = 0
             self._origin.clear()
+            self._sourced.clear()
             self._pending.clear()
             self.saw_uncached = False
             self.generation = generation
@@ -122,6 +124,7 @@ class ChunkReader:
         """
         with self._lock:
             self._origin = {c: "local" for c in self._held}
+            self._sourced.clear()
             self._transient.clear()
             self._transient_bytes = 0
             self.saw_uncached = False
@@ -162,6 +165,17 @@ class ChunkReader:
         batch = dict.fromkeys(self.counts, 0)
         for c, n, nbytes in _per_chunk(chunk_ids, sizes):
             origin = self._origin.get(c, "local")
+            mask = self._sourced.get(c) if origin == "source" else None
+            if mask is not None:
+                # A partial rebuild: only the rows it read came from the source.
+                mine = chunk_ids == c
+                fresh = mask[indices[mine] - self.layout.starts[c]]
+                n_src, b_src = int(fresh.sum()), int(sizes[mine][fresh].sum())
+                batch["source"] += n_src
+                batch["source_bytes"] += b_src
+                batch["local"] += n - n_src
+                batch["local_bytes"] += nbytes - b_src
+                continue
             batch[origin] += n
             batch[f"{origin}_bytes"] += nbytes
         for key, value in batch.items():
@@ -194,17 +208,25 @@ class ChunkReader:
         return x, torch.from_numpy(targets)
 
     def sample(self, chunk: Chunk, row: int, index: int) -> Any:
-        """One sample as zero-copy tensors (read-only views of the object store)."""
+        """One sample as tensors the caller owns (copies of the cached rows).
+
+        The chunk's columns are views of shared memory that every process of
+        the node maps, and ``torch.from_numpy`` ignores numpy's read-only
+        flag: a view handed out here would let one in-place op (``x.mul_``
+        in a transform) change what every other reader gets. One copy per
+        sample is the price (a memcpy plus ~1 us of dispatch; BENCHMARKS.md
+        "Read-only samples"); ``collate`` pays no extra, it copies anyway.
+        """
         self._raise_failed([chunk], [row], np.array([index]))
         value = chunk.sample(row)
         x = (
-            {k: torch.from_numpy(v) for k, v in value.items()}
+            {k: _owned(v) for k, v in value.items()}
             if isinstance(value, dict)
-            else torch.from_numpy(value)
+            else _owned(value)
         )
         if chunk.targets is None:
             return x
-        return x, torch.from_numpy(np.asarray(chunk.targets[row]))
+        return x, _owned(np.asarray(chunk.targets[row]))
 
     def _gather_field(
         self, in_batch: list[Chunk], rows: list[int], field: str, pin_memory: bool
@@ -213,9 +235,7 @@ class ChunkReader:
         probe = in_batch[0].field(field, rows[0])
         out = torch.empty(
             (len(rows), *shape),
-            dtype=torch.from_numpy(
-                probe[:0] if probe.ndim else probe.reshape(1)[:0]
-            ).dtype,
+            dtype=torch.from_numpy(np.empty(0, dtype=probe.dtype)).dtype,
             pin_memory=pin_memory,
         )
         gather(in_batch, rows, field, out.numpy())
@@ -234,6 +254,48 @@ class ChunkReader:
                 raise cls(
                     f"sample {int(indices[j])} ({url!r}) could not be built: {message}"
                 )
+
+    def substitute_failed(
+        self,
+        chunks: dict[int, Chunk],
+        chunk_ids: np.ndarray,
+        rows: np.ndarray,
+        indices: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
+        """``on_error="skip"``: every sample whose object could not be read or
+        built is replaced by a good sample of the same batch (the next one,
+        cycling), so the batch and the epoch keep their length and every
+        rank its step count. Returns the new ``(chunk_ids, rows, indices)``
+        and the skipped sample indices.
+
+        Raises:
+            RemoteFetchError (or the build's own error): no sample of the
+                batch could be built, so there is nothing to stand in.
+        """
+        if not any(chunks[c].has_failures for c in np.unique(chunk_ids).tolist()):
+            return chunk_ids, rows, indices, []
+        failed = np.fromiter(
+            (
+                bool(chunks[c].failed[r])
+                for c, r in zip(chunk_ids.tolist(), rows.tolist(), strict=True)
+            ),
+            dtype=bool,
+            count=len(rows),
+        )
+        bad = np.flatnonzero(failed)
+        good = np.flatnonzero(~failed)
+        if len(good) == 0:
+            j = int(bad[0])
+            self._raise_failed([chunks[int(chunk_ids[j])]], [int(rows[j])], indices[j:])
+        stand_in = good[np.arange(len(bad)) % len(good)]
+        skipped = indices[bad].tolist()
+        chunk_ids, rows, indices = chunk_ids.copy(), rows.copy(), indices.copy()
+        chunk_ids[bad], rows[bad], indices[bad] = (
+            chunk_ids[stand_in],
+            rows[stand_in],
+            indices[stand_in],
+        )
+        return chunk_ids, rows, indices, skipped
 
     # -- resolution ---------------------------------------------------------------------
     def _resolve(self, chunks: list[int], generation: int) -> dict[int, Chunk]:
@@ -256,7 +318,15 @@ class ChunkReader:
                 out[c] = chunk
                 if not current:
                     continue
-                self._origin[c] = _origin(status)
+                # A chunk read from the source in this epoch counts as
+                # source for the whole epoch, even when a later call finds
+                # it in the store (a prefetch built it, or hold_bytes=0
+                # keeps nothing): a hit means "not read from the source in
+                # this epoch", as a user reads it.
+                if self._origin.get(c) != "source":
+                    self._origin[c] = _origin(status)
+                    if self._origin[c] == "source" and chunk.sourced is not None:
+                        self._sourced[c] = chunk.sourced
                 if (
                     status != "uncached"
                     and self._held_bytes + chunk.nbytes <= self.hold_bytes
@@ -342,6 +412,11 @@ class ChunkReader:
     @property
     def held_bytes(self) -> int:
         return self._held_bytes
+
+
+def _owned(view: np.ndarray) -> torch.Tensor:
+    """A tensor of the caller's own: a copy of a (read-only, shared) view."""
+    return torch.from_numpy(np.array(view, copy=True))
 
 
 def _per_chunk(chunk_ids: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int, int]]:

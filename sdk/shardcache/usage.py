@@ -23,9 +23,11 @@ Contract for the rank (``DistributedCachedDataset``), one reporter per process
     # On the training path, in memory only (no I/O; measured ~0.8 us a call):
     reporter.served(origin, samples, nbytes)  # per batch and origin, in __getitems__
     reporter.waited(seconds, epoch)           # per batch, beside WaitRecorder.record
-    # On the background thread, every FLUSH_INTERVAL_S (1 s):
+    # Once per process (a spawned DataLoader worker included):
+    keep_flushed(reporter)  # shardcache.flusher: a daemon thread flushes it every
+    # FLUSH_INTERVAL_S and the process's exit (normal, or after an uncaught
+    # exception) once more: no close() is needed for the numbers to be right.
     reporter.flush()   # one round trip; False when Redis is down (kept, retried)
-    # In close():
     reporter.close()   # final flush; returns the samples it could not report
 
 Expose it as ``DistributedCachedDataset.usage_reporter`` (a property); the
@@ -66,6 +68,7 @@ from shardcache.index import SERIES_BUCKET_S, SERIES_TTL_S, map_redis_errors
 
 __all__ = [
     "FLUSH_INTERVAL_S",
+
     "ORIGINS",
     "RankUsage",
     "UsageReader",
@@ -144,6 +147,7 @@ class UsageTotals:
     waits: int = 0
     lost_samples: int = 0
     lost_bytes: int = 0
+    skipped: int = 0  # samples replaced because their object could not be built
 
     @classmethod
     def from_hash(cls, raw: Mapping[str, str]) -> UsageTotals:
@@ -205,6 +209,7 @@ class UsageTotals:
             "blocked_s": self.blocked_s,
             "lost_samples": self.lost_samples,
             "lost_bytes": self.lost_bytes,
+            "skipped": self.skipped,
         }
 
 
@@ -218,6 +223,15 @@ class RankUsage:
     blocked_s_by_epoch: dict[int, float] = field(default_factory=dict)
     epoch: int | None = None
     ts: float = 0.0
+    ended: float = 0.0  # when its last process exited after a final flush
+
+    def state(self, now: float, silent_after_s: float) -> str:
+        """``"ended"`` (final report written), ``"running"`` (reported within
+        ``silent_after_s``), or ``"lost"``: it stopped without a final report
+        (SIGKILL, OOM), so up to one flush interval of samples is missing."""
+        if self.ended and self.ended >= self.ts:
+            return "ended"
+        return "running" if now - self.ts <= silent_after_s else "lost"
 
 
 @dataclass
@@ -331,6 +345,13 @@ class UsageReporter:
             counts[names[0]] = counts.get(names[0], 0) + samples
             counts[names[1]] = counts.get(names[1], 0) + nbytes
 
+    def skipped(self, samples: int) -> None:
+        """Count samples replaced under ``on_error="skip"`` (not delivered)."""
+        bucket = int(self._clock()) // SERIES_BUCKET_S * SERIES_BUCKET_S
+        with self._lock:
+            counts = self._buckets.setdefault(bucket, {})
+            counts["skipped"] = counts.get("skipped", 0) + samples
+
     def waited(self, seconds: float, epoch: int) -> None:
         """Count time the training loop was blocked waiting for a batch."""
         us = max(int(seconds * 1e6 + 0.5), 0)
@@ -356,6 +377,12 @@ class UsageReporter:
             for o in ORIGINS
         )
         return current + pending
+
+    @property
+    def has_rank_counts(self) -> bool:
+        """Per-epoch wait time not yet written (no samples to go with it)."""
+        with self._lock:
+            return bool(self._rank_only)
 
     # -- background thread --------------------------------------------------------
     def flush(self, *, force: bool = False) -> bool:
@@ -388,12 +415,29 @@ class UsageReporter:
             return True
 
     def close(self) -> int:
-        """Flush one last time; returns the samples that could not be reported."""
+        """Flush one last time and mark this process's report final; returns
+        the samples that could not be reported."""
         if self.flush(force=True):
+            self._mark_ended()
             return 0
         dropped = self._lost.get("lost_samples", 0)
         carried = sum(b.lost.get("lost_samples", 0) for b in self._pending)
         return self.unflushed_samples + dropped + carried
+
+    def _mark_ended(self) -> None:
+        """Stamp the rank's hash: its reports are complete as of now (a later
+        flush by another process of the rank moves ``ts`` past it again)."""
+        if self._client is None:  # never flushed: nothing of ours in Redis
+            return
+        try:
+            with map_redis_errors(self._url):
+                self._client.hset(
+                    keys.usage_rank_key(self.ns, self.dataset, self._member),
+                    "ended",
+                    repr(self._clock()),
+                )
+        except IndexUnavailable as exc:
+            self.last_error = str(exc)
 
     def _cut(self) -> None:
         """Move the current counts into a new pending batch (caller holds _flush_lock)."""
@@ -519,6 +563,18 @@ class UsageReader:
             ds: UsageTotals.from_hash(r) for ds, r in zip(datasets, rows, strict=True)
         }
 
+    def job_totals(self, dataset: str, job: str) -> UsageTotals:
+        """What every process of one job (ranks and their DataLoader workers)
+        reported for ``dataset``.
+
+        Raises:
+            IndexUnavailable: Redis is unreachable.
+        """
+        with map_redis_errors(self._url):
+            return UsageTotals.from_hash(
+                self.client.hgetall(keys.usage_job_key(self.ns, dataset, job))
+            )
+
     def jobs(self, dataset: str, limit: int = JOBS_SHOWN) -> dict[str, UsageTotals]:
         """The ``limit`` most recently reporting jobs and their totals, newest first."""
         with map_redis_errors(self._url):
@@ -587,6 +643,7 @@ class UsageReader:
                     blocked_s_by_epoch=dict(sorted(per_epoch.items())),
                     epoch=int(raw["epoch"]) if raw.get("epoch") else None,
                     ts=float(raw.get("ts") or 0),
+                    ended=float(raw.get("ended") or 0),
                 )
             )
         return sorted(

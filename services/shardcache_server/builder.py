@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.checksum import seal
-from shardcache.chunks import Chunk, build_chunk
+from shardcache.chunks import SOURCED, Chunk, build_chunk
 from shardcache.errors import (
     CorruptObjectError,
     RemoteFetchError,
@@ -225,14 +225,15 @@ def build_members(
     if req.target is not None:
         for row, (url, _, _) in enumerate(members):
             targets[row] = req.target(url)
-    columns = seal(
-        build_chunk(
-            samples,
-            errors,
-            names=[m[0] for m in members],
-            targets=targets if req.target is not None else None,
-        )
+    built = build_chunk(
+        samples,
+        errors,
+        names=[m[0] for m in members],
+        targets=targets if req.target is not None else None,
     )
+    if reuse:
+        built[SOURCED] = np.array([r not in reuse for r in range(len(members))])
+    columns = seal(built)
     report = {
         "reads": len(fetch_rows) - sum(isinstance(d, ShardCacheError) for d in fetched),
         "bytes_read": bytes_read,

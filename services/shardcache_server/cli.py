@@ -12,7 +12,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Column, Table
 
-from shardcache.errors import ShardCacheError
+from shardcache.errors import ShardCacheError, ShardUnavailable
 
 app = typer.Typer(
     add_completion=False,
@@ -51,10 +51,46 @@ def _friendly_errors() -> Iterator[None]:
 
 
 def _index(redis_url: str | None, namespace: str) -> Any:
+    """The index of ``redis_url``, else of the embedded Redis, started if need be
+    (for commands that write: ``warm``)."""
     from shardcache.embedded import local_redis_url
     from shardcache.index import RedisIndex
 
     return RedisIndex.from_url(redis_url or local_redis_url(), namespace)
+
+
+def _running_index(redis_url: str | None, namespace: str) -> Any:
+    """The index of ``redis_url``, else of the embedded Redis when it runs.
+
+    Read-only commands never start a service: with nothing running there is
+    nothing to show, and an empty table with exit 0 would read as "the cache
+    is empty". They say so and exit 1.
+    """
+    from shardcache.embedded import running_redis_url, state_dir
+    from shardcache.index import RedisIndex
+
+    url = redis_url or running_redis_url()
+    if url is None:
+        err_console.print(
+            "[yellow]nothing running:[/] the embedded cache is not running on this "
+            f"machine (no live Redis recorded in {state_dir() / 'redis.json'}). "
+            "Run a training script or `shardcache warm URL` to start it, or pass "
+            "--redis-url (SHARDCACHE_REDIS_URL) to read an installed cache."
+        )
+        raise typer.Exit(1)
+    return RedisIndex.from_url(url, namespace)
+
+
+def _require_dataset(index: Any, name: str) -> None:
+    """An unknown dataset name is an error (exit 2), never an empty result."""
+    known = index.datasets()
+    if name not in known:
+        listed = ", ".join(sorted(known)) or "none"
+        err_console.print(
+            f"[red]error:[/] no dataset named {name!r} in namespace "
+            f"{index.ns!r} (known: {listed}); see `shardcache ls`."
+        )
+        raise typer.Exit(2)
 
 
 def _storage_options(endpoint_url: str | None, options: list[str]) -> dict[str, Any]:
@@ -204,7 +240,9 @@ def stats(
     from shardcache.usage import ORIGINS, UsageReader
 
     with _friendly_errors():
-        index = _index(redis_url, namespace)
+        index = _running_index(redis_url, namespace)
+        if name:
+            _require_dataset(index, name)
         usage = UsageReader(index.client, namespace, index.url)
         names = [name] if name else index.datasets()
         served = Table(
@@ -255,6 +293,11 @@ def stats(
                     str(f["gets_saved"]),
                     f"{f['blocked_s']:.1f}",
                 )
+                if f["skipped"]:
+                    lost.append(
+                        f"{ds} {label}: {f['skipped']} samples skipped "
+                        "(on_error='skip'): their objects could not be read or built"
+                    )
                 if f["lost_samples"]:
                     lost.append(
                         f"{ds} {label}: {f['lost_samples']} samples served while "
@@ -280,9 +323,12 @@ def stats(
 def invalidate(
     name: str, redis_url: str = RedisOpt, namespace: str = NamespaceOpt
 ) -> None:
-    """Start a new generation: every store drops the dataset, readers re-fetch."""
+    """Start a new generation: every store drops the dataset, readers re-fetch.
+    Exit 1 when nothing runs, 2 for an unknown name."""
     with _friendly_errors():
-        generation = _index(redis_url, namespace).invalidate(name, "cli invalidate")
+        index = _running_index(redis_url, namespace)
+        _require_dataset(index, name)
+        generation = index.invalidate(name, "cli invalidate")
     if generation == 0:
         err_console.print(
             f"[red]error:[/] no dataset named {name!r}; see `shardcache ls`."
@@ -293,9 +339,9 @@ def invalidate(
 
 @app.command("ls")
 def list_datasets(redis_url: str = RedisOpt, namespace: str = NamespaceOpt) -> None:
-    """Datasets, generations and cached bytes per node."""
+    """Datasets, generations and cached bytes per node (exit 1 when nothing runs)."""
     with _friendly_errors():
-        index = _index(redis_url, namespace)
+        index = _running_index(redis_url, namespace)
         table = Table(
             "dataset", "generation", "objects", "source MiB", "cached MiB per node"
         )
@@ -333,14 +379,22 @@ def verify(
     ray_address: str = typer.Option(None, envvar="RAY_ADDRESS"),
 ) -> None:
     """Check that the index and the stores agree for a dataset and that every
-    cached chunk's contents match its checksum (exit 1 if not)."""
+    cached chunk's contents match its checksum (exit 1 if not, or when nothing
+    runs; 2 for an unknown name)."""
     from shardcache.embedded import attach_ray
     from shardcache_server.cluster import alive_nodes, store_for_node
     from shardcache_server.verify import check_agreement, check_contents
 
     with _friendly_errors():
-        index = _index(redis_url, namespace)
-        attach_ray(ray_address)
+        index = _running_index(redis_url, namespace)
+        _require_dataset(index, name)
+        try:
+            attach_ray(ray_address, may_start=False)
+        except ShardUnavailable as exc:
+            if ray_address:
+                raise
+            err_console.print(f"[yellow]nothing running:[/] {exc}")
+            raise typer.Exit(1) from None
         handles = {
             n: h
             for n in alive_nodes()
@@ -407,12 +461,14 @@ def dashboard(
         help="serve beyond loopback without a token (behind a NetworkPolicy)",
     ),
 ) -> None:
-    """Serve the hit-rate dashboard and /metrics (reads Redis only)."""
+    """Serve the hit-rate dashboard and /metrics (reads Redis only; exit 1 when
+    nothing runs)."""
     from shardcache_server.dashboard import serve
 
     with _friendly_errors():
+        index = _running_index(redis_url, namespace)
         serve(
-            redis_url=redis_url,
+            redis_url=index.url,
             namespace=namespace,
             host=host,
             port=port,
@@ -469,7 +525,8 @@ def selftest(
 
 @local_app.command("stop")
 def local_stop() -> None:
-    """Stop the embedded Redis and Ray that shardcache started on this machine."""
+    """Stop the embedded Redis and Ray that shardcache started on this machine;
+    returns once they have exited."""
     from shardcache.embedded import stop_local
 
     stopped = stop_local()

@@ -180,6 +180,7 @@ def run_demo(
     import torch.multiprocessing as mp
 
     from shardcache.embedded import start_redis_server
+    from shardcache.local_ray import use_token_file, write_token
     from shardcache.redaction import redact_url
     from shardcache_server.cluster import kill_stores
     from shardcache_server.datagen import upload_image_shards, upload_images
@@ -215,6 +216,9 @@ def run_demo(
                 )
             else:
                 url, storage_options = source, {}
+            # Token auth with a token of the demo's own: no warning, and the
+            # user's ~/.ray is left as it was (Ray would write auth_token there).
+            use_token_file(write_token(Path(tmp) / "ray_token"))
             ray.init(
                 address="local",  # always a private cluster, never a running one
                 num_cpus=max(2, ranks),

@@ -6,7 +6,9 @@ arrays in the object store; every other store asks that holder and gets
 the same ObjectRef, and ranks map it zero-copy. A refresh carries a token
 (job, refresh count, the digest the rank had): every rank of a job calling
 ``refresh()`` together sends the same token, and one listing answers them
-all; a new token lists again.
+all; a new token lists again. A new job's ranks send a token of the job
+(``open/{job}``) when they construct the dataset, so every job starts on
+the source as it is then (``revalidate=`` in the SDK opts out).
 
 A listing that reads whole units (tar) also yields their bytes, which the
 store holds for the builds of those units (``spans.py``).
@@ -43,7 +45,12 @@ __all__ = [
     "list_with_layout",
 ]
 
-REFRESH_TOKEN_TTL_S = 60.0  # a refresh token answered this recently is not re-listed
+# A token answered this recently is answered again from the same listing: a
+# job's ranks may reach their store minutes apart (slow starts, big images),
+# and they must all read one listing. Tokens are unique per job, so a long
+# TTL never serves one job another's listing.
+REFRESH_TOKEN_TTL_S = 3600.0
+MAX_AGE_TOKEN = "max-age/"  # "max-age/N": any listing begun within N seconds
 MANIFESTS_KEPT = 4  # digests per dataset a store keeps for ranks not yet refreshed
 
 log = logging.getLogger(__name__)
@@ -217,6 +224,7 @@ class Listings:
         self.over_budget: dict[str, dict[str, int]] = {}
         self._held: dict[str, dict[str, tuple[Any, Manifest]]] = {}
         self._published: dict[str, str] = {}  # the digest of my latest listing
+        self._published_at: dict[str, float] = {}  # when that listing began
         self._tokens: dict[str, dict[str, tuple[float, str]]] = {}  # -> (start, digest)
         self._inflight: dict[str, asyncio.Future[tuple[Any, str]]] = {}
 
@@ -239,15 +247,31 @@ class Listings:
         return manifest
 
     def published(self, dataset: str, token: str) -> tuple[Any, str] | None:
-        """What this store published for ``token`` (``""``: its latest listing)."""
+        """What this store published for ``token``: ``""``, its latest
+        listing; ``"max-age/N"``, its latest if begun within N seconds; any
+        other token (a job's start, a refresh round), the listing that first
+        answered it."""
         if not token:
             digest = self._published.get(dataset)
+        elif token.startswith(MAX_AGE_TOKEN):
+            max_age_s = float(token[len(MAX_AGE_TOKEN) :])
+            began = self._published_at.get(dataset, 0.0)
+            recent = began > time.time() - max_age_s
+            digest = self._published.get(dataset) if recent else None
         else:
             seen = self._tokens.get(dataset, {}).get(token)
             fresh = seen is not None and seen[0] > time.time() - REFRESH_TOKEN_TTL_S
             digest = seen[1] if fresh and seen is not None else None
         found = self.held(dataset, digest) if digest is not None else None
         return None if found is None else (found[0], digest)  # type: ignore[return-value]
+
+    def _remember(self, name: str, token: str, started: float, digest: str) -> None:
+        tokens = self._tokens.setdefault(name, {})
+        tokens[token] = (started, digest)
+        for old in [
+            t for t, v in tokens.items() if v[0] < started - REFRESH_TOKEN_TTL_S
+        ]:
+            del tokens[old]
 
     def _latest_ref(self, dataset: str) -> Any:
         digest = self._published.get(dataset)
@@ -261,7 +285,12 @@ class Listings:
         name = spec["name"]
         running = self._inflight.get(name)
         if running is not None:
+            # Joining a listing already under way (another job started at the
+            # same moment): it began after this call was made, so it is
+            # fresh enough, and the token must remember it so the rest of
+            # this job's ranks read the very same listing.
             ref, digest = await asyncio.shield(running)
+            self._remember(name, token, time.time(), digest)
             return ref, digest, self._held[name][digest][1]
         fut: asyncio.Future[tuple[Any, str]] = (
             asyncio.get_running_loop().create_future()
@@ -288,12 +317,8 @@ class Listings:
                     self.spans.budget_bytes,
                 )
             self._published[name] = digest
-            tokens = self._tokens.setdefault(name, {})
-            tokens[token] = (started, digest)
-            for old in [
-                t for t, v in tokens.items() if v[0] < started - REFRESH_TOKEN_TTL_S
-            ]:
-                del tokens[old]
+            self._published_at[name] = started
+            self._remember(name, token, started, digest)
             fut.set_result((ref, digest))
             return ref, digest, manifest
         except BaseException as exc:

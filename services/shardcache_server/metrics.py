@@ -64,6 +64,18 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("dataset",),
         "samples delivered but never reported: Redis was unreachable too long",
     ),
+    "shardcache_samples_skipped_total": (
+        "counter",
+        ("dataset",),
+        "samples replaced by another of their batch (on_error='skip'): their "
+        "object could not be read or built",
+    ),
+    "shardcache_rank_unreported": (
+        "gauge",
+        ("dataset", "job", "rank"),
+        "1 when a rank stopped without its final report (SIGKILL, OOM): up to "
+        "one flush interval (1 s) of its samples is not counted",
+    ),
     "shardcache_job_samples_total": (
         "counter",
         ("dataset", "job", "origin"),
@@ -157,6 +169,7 @@ class RedisCollector:
             add("shardcache_hit_rate", [ds], t.hit_rate)
             add("shardcache_byte_hit_rate", [ds], t.byte_hit_rate)
             add("shardcache_samples_lost_total", [ds], t.lost_samples)
+            add("shardcache_samples_skipped_total", [ds], t.skipped)
             for job, jt in usage.jobs(ds).items():
                 for o in ORIGINS:
                     add(
@@ -169,6 +182,7 @@ class RedisCollector:
                 labels = [ds, r["job"], str(r["rank"])]
                 add("shardcache_rank_blocked_seconds_total", labels, r["blocked_s"])
                 add("shardcache_rank_wait_p99_seconds", labels, r["wait_p99_ms"] / 1e3)
+                add("shardcache_rank_unreported", labels, float(r["state"] == "lost"))
             s = index.stats(ds)
             add("shardcache_store_hits_total", [ds], s.hits)
             add("shardcache_store_misses_total", [ds], s.misses)

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from shardcache.index import HitStats, RedisIndex
-from shardcache.usage import RankUsage, UsageReader
+from shardcache.usage import FLUSH_INTERVAL_S, RankUsage, UsageReader
 
 __all__ = ["dataset_overview", "node_rows", "rank_rows", "store_traffic"]
 
@@ -20,6 +20,9 @@ GENERATIONS_SHOWN = 5  # the cost of the last few version bumps
 EXACT_BYTES_MAX_ENTRIES = 50_000  # above this, cached bytes are estimated per poll
 STRAGGLER_FACTOR = 2.0  # a rank is a straggler past twice the median
 STRAGGLER_MIN_EXTRA_S = 1.0  # ...and at least this much more blocked time
+# A rank silent this long without a final report has stopped (SIGKILL, OOM):
+# three flush intervals, so one slow Redis write is not a death.
+RANK_SILENT_AFTER_S = 3 * FLUSH_INTERVAL_S
 
 
 def store_traffic(s: HitStats) -> dict[str, Any]:
@@ -116,6 +119,7 @@ def rank_rows(index: RedisIndex, usage: UsageReader, name: str) -> list[dict[str
     reports = index.ranks(name)
     used: dict[str, RankUsage] = {f"{r.job}/{r.rank}": r for r in usage.ranks(name)}
     rows = []
+    now = time.time()
     for key in sorted(set(reports) | set(used)):
         job, _, rank = key.rpartition("/")
         report, u = reports.get(key, {}), used.get(key)
@@ -139,6 +143,9 @@ def rank_rows(index: RedisIndex, usage: UsageReader, name: str) -> list[dict[str
                     str(e): s for e, s in (u.blocked_s_by_epoch if u else {}).items()
                 },
                 "lost_samples": totals["lost_samples"] if totals else 0,
+                # "lost": stopped without its final report (SIGKILL, OOM): up
+                # to one flush interval of what it delivered is not counted.
+                "state": u.state(now, RANK_SILENT_AFTER_S) if u else "running",
             }
         )
     # A straggler is the rank that waited: by its p99 batch wait, or by the

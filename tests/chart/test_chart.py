@@ -494,7 +494,10 @@ def test_notes_never_tell_a_pod_outside_ray_to_ray_init(values):
     # torchrun or PyTorchJob pod cannot ray.init() against the head's address.
     notes = render(values)["shardcache/templates/NOTES.txt"][0]["NOTES"]
     assert "ray.init" not in notes
-    assert "RAY_ADDRESS" not in notes
+    # Only the pods that ran `ray start` (b) are told to join their own node,
+    # explicitly: the SDK never joins a cluster it finds by "auto" on its own.
+    assert "RAY_ADDRESS" not in notes.replace("SHARDCACHE_RAY_ADDRESS", "")
+    assert notes.count("SHARDCACHE_RAY_ADDRESS") == 1
     # Pods outside Ray are served by the node-local endpoint (issue 18), never Ray.
     assert "PyTorchJob" in notes and "node-local endpoint" in notes
     assert "RayJob" in notes

@@ -279,8 +279,9 @@ def test_dataset_static_cache_at_half_the_dataset_keeps_hit_rate_at_half(
     ray_cluster, s3, s3fs_client, bucket, redis_url, namespace, monkeypatch
 ):
     # The stores take their budget from the settings of the process that starts them.
-    # 20 one-object chunks of 1,000 B (+3 B of chunk metadata); room for 10.
-    monkeypatch.setenv("SHARDCACHE_CACHE_BYTES", str(10 * 1003))
+    # 20 one-object chunks of 1,000 B (+11 B of chunk metadata: failed flags,
+    # errors, checksum); room for 10.
+    monkeypatch.setenv("SHARDCACHE_CACHE_BYTES", str(10 * 1011))
     monkeypatch.setenv("SHARDCACHE_EVICTION", "static")
     s3fs_client.pipe({f"{bucket}/d/{i:03d}.bin": bytes([i]) * 1000 for i in range(20)})
     ds = _ds(s3, bucket, redis_url, namespace, shuffle=False, chunk_samples=1)

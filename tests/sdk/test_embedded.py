@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import os
+import json
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from shardcache import embedded
+from shardcache import embedded, local_ray, processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # two Ray heads start
 
@@ -31,15 +32,20 @@ def test_local_stop_stops_only_the_ray_head_and_redis_shardcache_started(
     )  # fmt: skip
     try:
         home = embedded.state_dir()
-        address = embedded._start_ray_head(home)
+        address = local_ray.start_head(home)
         redis_url = embedded.local_redis_url()
-        ours = embedded._processes_naming(str(embedded._ray_temp_dir(home)))
-        theirs = embedded._processes_naming(str(foreign))
+        ours = local_ray.head_processes(home)
+        theirs = processes.processes_naming(str(foreign))
         assert address and ours and theirs and not set(ours) & set(theirs)
-        # A long state dir gets a short Ray temp dir (socket paths fit 107 bytes).
-        assert len(str(embedded._ray_temp_dir(home))) <= 40
+        # A long state dir gets a short Ray temp dir (socket paths fit 107 bytes)
+        # inside a private directory (Ray makes the temp dir itself 0777).
+        temp_dir = local_ray.ray_temp_dir(home)
+        assert len(str(temp_dir)) <= 40
+        assert temp_dir.parent.stat().st_mode & 0o077 == 0
 
+        t0 = time.monotonic()
         stopped = embedded.stop_local()
+        stop_s = time.monotonic() - t0
 
         assert any(s.startswith("redis") for s in stopped), stopped
         assert any(s.startswith("ray (") for s in stopped), stopped
@@ -47,9 +53,36 @@ def test_local_stop_stops_only_the_ray_head_and_redis_shardcache_started(
         assert not [p for p in ours if _alive(p)]
         assert all(_alive(p) for p in theirs)  # never every Ray process
         assert embedded.stop_local() == []  # nothing left of ours
+        assert stop_s < 3.0, stop_s
     finally:
-        embedded._terminate(embedded._processes_naming(str(foreign)))
+        processes.terminate(processes.processes_naming(str(foreign)))
 
 
 def _alive(pid: int) -> bool:
-    return os.path.exists(f"/proc/{pid}") and not embedded._zombie(pid)
+    return processes.is_alive(pid)
+
+
+def test_running_head_ignores_a_head_recorded_by_an_older_shardcache(
+    tmp_path, monkeypatch
+):
+    # An older head ran without our token (or with ~/.ray's) on the host's
+    # address: it is never joined; start_head replaces it.
+    monkeypatch.setenv("SHARDCACHE_HOME", str(tmp_path / "home"))
+    home = embedded.state_dir()
+    (home / "ray.json").write_text(
+        json.dumps({"temp_dir": str(tmp_path), "address": "127.0.0.1:1"})
+    )
+    assert local_ray.running_head(home) is None
+
+
+def test_running_head_ignores_a_head_started_with_another_token(tmp_path, monkeypatch):
+    # Joining would retry InvalidAuthToken for ~24 s: the head is replaced.
+    monkeypatch.setenv("SHARDCACHE_HOME", str(tmp_path / "home"))
+    home = embedded.state_dir()
+    (home / "ray.json").write_text(
+        json.dumps({
+            "format": local_ray.HEAD_FORMAT, "temp_dir": str(tmp_path),
+            "address": "127.0.0.1:1", "token_sha256": "0" * 64,
+        })
+    )  # fmt: skip
+    assert local_ray.running_head(home) is None

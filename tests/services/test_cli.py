@@ -81,6 +81,30 @@ def test_cli_errors_are_one_line_without_traceback(s3, redis_url):
     )
 
 
+def test_cli_read_only_commands_start_nothing_and_say_so(tmp_path, monkeypatch):
+    home = tmp_path / "state"
+    monkeypatch.setenv("SHARDCACHE_HOME", str(home))
+    monkeypatch.delenv("SHARDCACHE_REDIS_URL", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    runner = CliRunner()
+    for args in (["ls"], ["stats"], ["stats", "x"], ["verify", "x"],
+                 ["invalidate", "x"], ["dashboard"]):  # fmt: skip
+        res = runner.invoke(app, args)
+        assert res.exit_code == 1, (args, res.output)
+        assert "nothing running" in res.output and "Traceback" not in res.output
+    # Nothing was started, so nothing was recorded.
+    assert not (home / "redis.json").exists() and not (home / "ray.json").exists()
+
+
+def test_cli_unknown_dataset_name_exits_2_in_every_command(redis_url, namespace):
+    runner = CliRunner()
+    common = ["--redis-url", redis_url, "--namespace", namespace]
+    for command in ("stats", "verify", "invalidate"):
+        res = runner.invoke(app, [command, "no-such-set", *common])
+        assert res.exit_code == 2, (command, res.output)
+        assert "no dataset named 'no-such-set'" in res.output
+
+
 def test_cli_selftest_passes_against_running_cache(ray_cluster, redis_url, namespace):
     runner = CliRunner()
     res = runner.invoke(

@@ -28,9 +28,16 @@ import pytest
 
 from shardcache.embedded import free_port
 
-pytestmark = [pytest.mark.slow]
-
 SCRIPT_TIMEOUT_S = 240  # a script's whole run, Ray head start included
+TEST_TIMEOUT_S = 600  # a test runs a few scripts, each starting Ray
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))
 
 
 @dataclass

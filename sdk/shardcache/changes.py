@@ -1,0 +1,43 @@
+"""What changed between two listings of one source, in words a user can act on.
+
+Used where a saved position cannot be applied to today's listing (a resume
+across jobs after objects changed): the error names the objects, not a digest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardcache.packed_manifest import PackedManifest
+
+__all__ = ["changed_urls", "describe_changes"]
+
+NAMED = 5  # objects named in a message; the rest are counted
+
+
+def changed_urls(old: Any, new: Any) -> list[str]:
+    """URLs added, removed or rewritten (a packed source: files) since ``old``.
+
+    A Python pass over both listings: for error messages, never the hot path.
+    """
+    if isinstance(old, PackedManifest) and isinstance(new, PackedManifest):
+        return new.changed_files(old)
+    before = {old.url(i): old.etag(i) for i in range(len(old))}
+    now = {new.url(i): new.etag(i) for i in range(len(new))}
+    return sorted(u for u in before.keys() | now.keys() if before.get(u) != now.get(u))
+
+
+def describe_changes(old: Any, new: Any) -> str:
+    """``"3 objects changed: s3://b/a.npy, ..."``.
+
+    >>> from shardcache.manifest import Manifest
+    >>> a = Manifest.from_entries("s3", ["s3://b/0", "s3://b/1"], [1, 1], ["e0", "e1"])
+    >>> b = Manifest.from_entries("s3", ["s3://b/0", "s3://b/1"], [1, 1], ["e0", "e2"])
+    >>> describe_changes(a, b)
+    '1 object changed: s3://b/1'
+    """
+    urls = changed_urls(old, new)
+    shown = ", ".join(urls[:NAMED]) + (
+        f" and {len(urls) - NAMED} more" if len(urls) > NAMED else ""
+    )
+    return f"{len(urls)} object{'s' if len(urls) != 1 else ''} changed: {shown}"

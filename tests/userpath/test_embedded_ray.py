@@ -1,0 +1,173 @@
+"""The embedded Ray head as a user meets it: first try, private, loopback only.
+
+Every script here runs as ``python train.py`` with embedded defaults under a
+HOME of its own, after the demo (``~/.ray/auth_token`` exists), unless a test
+removes that file.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from shardcache.local_ray import head_processes
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+FIRST_BATCH_AFTER_HEAD_S = 10.0  # the brief's bound: head up to first batch
+LOCAL_STOP_S = 3.0
+
+TRAIN = """
+    import json, os, sys, time
+
+    import psutil
+
+    from shardcache import DistributedCachedDataset
+
+    ds = DistributedCachedDataset(
+        sys.argv[1], format="npy", shuffle=False, chunk_samples=16
+    )
+    batch = next(iter(ds.loader(8)))
+    import ray
+
+    me = psutil.Process()
+    print(json.dumps({
+        "batch_at": time.time(),
+        "shape": list(batch.shape),
+        "gcs": ray.get_runtime_context().gcs_address,
+        "listens": [c.laddr.ip for c in me.net_connections("inet")
+                    if c.status == psutil.CONN_LISTEN],
+    }))
+"""
+# What a user must not see on a run that worked.
+NOISE = re.compile(r"InvalidAuthToken|Token authentication|Traceback|auth_token")
+
+
+def _data(user) -> Path:
+    data = user.workdir / "data"
+    data.mkdir(exist_ok=True)
+    rows = np.arange(64 * 4, dtype=np.float32).reshape(64, 4)
+    np.save(data / "train.npy", rows)
+    return data
+
+
+def _run(user, data: Path, env: dict | None = None) -> dict:
+    script = user.write("train.py", TRAIN)
+    done = user.python(str(script), str(data), env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not NOISE.search(done.stderr), done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["shape"] == [8, 4]
+    return out
+
+
+def _state(user) -> Path:
+    return user.home / ".cache" / "shardcache"
+
+
+def _head_up_to_batch_s(user, out: dict) -> float:
+    started = json.loads((_state(user) / "ray.json").read_text())["started"]
+    return float(out["batch_at"]) - float(started)
+
+
+def _stop(user) -> float:
+    t0 = time.monotonic()
+    done = user.shardcache("local", "stop", timeout=60)
+    took = time.monotonic() - t0
+    assert done.returncode == 0, done.stderr
+    return took
+
+
+def _our_head(user) -> list[int]:
+    """Our head's processes, agents included (Ray scrubs their environment)."""
+    pids = head_processes(_state(user))
+    names = " ".join(psutil.Process(p).name() for p in pids)
+    assert "gcs_server" in names and "Agent" in names, names
+    return pids
+
+
+def test_embedded_ray_first_script_after_the_demo_reads_a_batch(user):
+    data = _data(user)
+    timings = []
+    # The last case also has another cluster's token in the environment, which
+    # Ray would prefer to any token file.
+    env = {"no token file": {"RAY_AUTH_TOKEN": "f" * 64}}
+    for case in ("token file", "after local stop", "no token file"):
+        out = _run(user, data, env.get(case))
+        timings.append((case, _head_up_to_batch_s(user, out)))
+        assert timings[-1][1] < FIRST_BATCH_AFTER_HEAD_S, timings
+        head = _our_head(user)
+        assert head
+        took = _stop(user)
+        assert took < LOCAL_STOP_S, (case, took)
+        assert not [p for p in head if psutil.pid_exists(p)
+                    and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]  # fmt: skip
+        if case == "after local stop":
+            (user.home / ".ray" / "auth_token").unlink()
+    print(timings)
+
+
+def test_embedded_listeners_are_loopback_only(user):
+    out = _run(user, _data(user))
+    assert out["listens"] and _loopback(out["listens"]), out  # the driver
+    pids = set(_our_head(user))
+    redis_pid = json.loads((_state(user) / "redis.json").read_text())["pid"]
+    pids.add(int(redis_pid))
+    names = {psutil.Process(p).name() for p in pids}
+    assert any("CacheShard" in n for n in names), names  # the stores are ours too
+    listens = [
+        (psutil.Process(c.pid).name(), c.laddr.ip, c.laddr.port)
+        for c in psutil.net_connections("inet")
+        if c.status == psutil.CONN_LISTEN and c.pid in pids
+    ]
+    assert {"gcs_server", "raylet", "redis-server"} <= {n for n, _, _ in listens}
+    assert _loopback([ip for _, ip, _ in listens]), listens
+
+
+def _loopback(ips: list[str]) -> bool:
+    def one(ip: str) -> bool:
+        addr = ipaddress.ip_address(ip)
+        mapped = getattr(addr, "ipv4_mapped", None)
+        return (mapped or addr).is_loopback
+
+    return all(one(ip) for ip in ips)
+
+
+def test_second_home_does_not_join_the_first_homes_cache(user, tmp_path):
+    data = _data(user)
+    first = _run(user, data)
+    # A second user: a HOME of its own, also after the demo (a token file of
+    # its own). The user fixture's class, so the environment is built alike.
+    other = type(user)(tmp_path / "home2", tmp_path / "work2")
+    (other.home / ".ray").mkdir(parents=True)
+    (other.home / ".ray" / "auth_token").write_text("b" * 64)
+    other.workdir.mkdir()
+    try:
+        second = _run(other, data)
+        assert second["gcs"] != first["gcs"]
+        # Even told the first head's address, the second user is refused:
+        # the first head wants a token the second HOME does not have.
+        probe = other.write(
+            "probe.py",
+            f"""
+            import ray
+            ray.init(address={first["gcs"]!r}, log_to_driver=False)
+            """,
+        )
+        # Its best shot: token auth on (its own token) and Ray kept to loopback.
+        done = other.python(
+            str(probe),
+            timeout=120,
+            env={"RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
+        )
+        assert done.returncode != 0
+        assert "InvalidAuthToken" in done.stderr or "Authentication" in done.stderr
+    finally:
+        other.shardcache("local", "stop", timeout=60)

@@ -1,0 +1,298 @@
+"""Jobs on the user's path: a new job sees today's data, every run is its own
+job, and its numbers reach the dashboard with no ``close()``.
+
+The script is the README's, started the way the README starts it: plain
+``torchrun`` (run id ``none``), no ``job=``, no ``close()``, embedded
+defaults; 240 small ``.npy`` objects in S3 (moto's server, GETs counted
+there).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from shardcache.embedded import free_port
+
+OBJECTS = 240
+CHANGED = range(0, OBJECTS, 24)  # 10 objects rewritten between the two jobs
+
+TRAIN = """
+import io, json, sys
+import numpy as np
+import torch
+from shardcache import DistributedCachedDataset
+
+def load_npy(data):
+    return np.load(io.BytesIO(data))
+
+url, options, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+ds = DistributedCachedDataset(url, preprocess=load_npy, storage_options=options)
+loader = torch.utils.data.DataLoader(ds, batch_size=16, sampler=ds.sampler)
+seen = {}
+for epoch in range(3):
+    ds.set_epoch(epoch)
+    for batch in loader:
+        for row in batch:
+            seen[int(row[1])] = int(row[0])   # sample id -> its value
+stats = ds.stats()
+with open(f"{out}.{ds.rank}.json", "w") as f:
+    json.dump({"seen": seen, "job": stats["job"], "hits": stats["hits"],
+               "misses": stats["misses"]}, f)
+"""
+
+WORKERS = """
+import io, json, sys
+import numpy as np
+import torch
+from shardcache import DistributedCachedDataset
+
+def load_npy(data):
+    return np.load(io.BytesIO(data))
+
+if __name__ == "__main__":
+    url, options = sys.argv[1], json.loads(sys.argv[2])
+    ds = DistributedCachedDataset(url, preprocess=load_npy, storage_options=options)
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=16, sampler=ds.sampler, num_workers=2,
+        multiprocessing_context="spawn")
+    n = sum(len(batch) for batch in loader)
+    print(json.dumps({"delivered": n}))
+"""
+
+
+def _put(fs, bucket: str, i: int, value: int) -> None:
+    buf = __import__("io").BytesIO()
+    np.save(buf, np.array([value, i], np.int64))
+    fs.pipe(f"{bucket}/train/{i:04d}.npy", buf.getvalue())
+
+
+def _redis_url(home: Path) -> str:
+    return json.loads((home / ".cache" / "shardcache" / "redis.json").read_text())[
+        "url"
+    ]
+
+
+def _metrics(user, redis_url: str) -> str:
+    """The dashboard's /metrics, from the real dashboard process."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardcache_server.cli", "dashboard",
+         "--redis-url", redis_url, "--port", str(port)],
+        env=user.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as r:
+                    return r.read().decode()
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.3)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not exported")
+
+
+def _job_rows(text: str) -> set[str]:
+    return set(re.findall(r'shardcache_job_samples_total\{[^}]*job="([^"]+)"', text))
+
+
+def _run_job(user, script, url, options, out):
+    done = user.torchrun(script, url, json.dumps(options), str(out))
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads(Path(f"{out}.{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_a_new_job_reads_changed_objects_and_reports_without_close(
+    user, s3, s3fs_client, bucket
+):
+    for i in range(OBJECTS):
+        _put(s3fs_client, bucket, i, i)
+    url, options = f"s3://{bucket}/train/", s3.storage_options()
+    script = user.write("train.py", TRAIN)
+
+    first = _run_job(user, script, url, options, user.workdir / "first")
+    assert s3.total_gets == OBJECTS  # each object once, 3 epochs x 2 ranks
+    assert sorted(int(k) for r in first for k in r["seen"]) == list(range(OBJECTS))
+    assert all(r["misses"] == OBJECTS // 2 and r["hits"] == OBJECTS for r in first)
+    assert first[0]["job"] == first[1]["job"] and first[0]["job"] != "none"
+
+    redis_url = _redis_url(user.home)
+    name_of = json.loads(
+        user.python("-c", "from shardcache.dataset import default_name; import sys, json;"
+                    f"print(json.dumps(default_name({url!r})))").stdout
+    )  # fmt: skip
+    metrics = _metrics(user, redis_url)
+    assert _metric(metrics, "shardcache_hit_rate", dataset=name_of) == (
+        sum(r["hits"] for r in first) / (OBJECTS * 3)
+    )
+
+    # Rewrite 10 objects at the source; start the same script again.
+    for i in CHANGED:
+        _put(s3fs_client, bucket, i, 1000 + i)
+    s3.reset_counts()
+    second = _run_job(user, script, url, options, user.workdir / "second")
+    seen = {int(k): v for r in second for k, v in r["seen"].items()}
+    assert sorted(seen) == list(range(OBJECTS))
+    assert {i for i, v in seen.items() if v != i} == set(CHANGED)
+    assert all(seen[i] == 1000 + i for i in CHANGED)
+    fetched = {k for k, n in s3.gets.items() if n}
+    assert s3.total_gets == len(CHANGED), sorted(fetched)
+    assert second[0]["job"] == second[1]["job"] != first[0]["job"]
+    # The ranks' own count: a miss is a sample read from the source, so the
+    # 230 rows copied from the old chunk on its node are hits.
+    assert sum(r["misses"] for r in second) == len(CHANGED)
+
+    metrics = _metrics(user, redis_url)
+    assert {first[0]["job"], second[0]["job"]} <= _job_rows(metrics)
+    assert _metric(
+        metrics, "shardcache_samples_total", dataset=name_of, origin="source"
+    ) == OBJECTS + len(CHANGED)
+
+
+def test_dataloader_workers_report_every_sample_without_close(
+    user, s3, s3fs_client, bucket
+):
+    for i in range(300):
+        _put(s3fs_client, bucket, i, i)
+    url, options = f"s3://{bucket}/train/", s3.storage_options()
+    script = user.write("workers.py", WORKERS)
+    done = user.python(str(script), url, json.dumps(options))
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"delivered": 300}
+    name = json.loads(
+        user.python("-c", "from shardcache.dataset import default_name; import json;"
+                    f"print(json.dumps(default_name({url!r})))").stdout
+    )  # fmt: skip
+    time.sleep(1.0)  # one flush interval after the script's exit
+    metrics = _metrics(user, _redis_url(user.home))
+    total = sum(
+        _metric(metrics, "shardcache_samples_total", dataset=name, origin=o)
+        for o in ("local", "peer", "source")
+    )
+    assert total == 300
+
+
+RESUME = """
+import io, json, sys
+import numpy as np
+import torch
+from shardcache import DistributedCachedDataset
+from shardcache.errors import ConfigError
+
+def load_npy(data):
+    return np.load(io.BytesIO(data))
+
+url, options, state_dir, mode = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+ds = DistributedCachedDataset(url, preprocess=load_npy, storage_options=options,
+                              revalidate=sys.argv[5] if len(sys.argv) > 5 else "job")
+path = f"{state_dir}/rank{ds.rank}.pt"
+ds.set_epoch(0)
+if mode == "save":
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=ds.sampler)
+    for step, batch in enumerate(loader):
+        if step == 2:
+            break
+    torch.save(ds.state_dict(consumed=3 * 8), path)
+    print(json.dumps({"ok": True}))
+else:
+    try:
+        ds.load_state_dict(torch.load(path))
+    except ConfigError as exc:
+        print(json.dumps({"error": str(exc)}))
+        sys.exit(0)
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=ds.sampler)
+    n = sum(len(b) for b in loader)
+    print(json.dumps({"rest": n}))
+"""
+
+
+def _lines(done):
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+
+
+def test_a_resume_across_jobs_survives_revalidation_and_names_what_changed(
+    user, s3, s3fs_client, bucket
+):
+    for i in range(128):
+        _put(s3fs_client, bucket, i, i)
+    url, options = f"s3://{bucket}/train/", s3.storage_options()
+    script = user.write("resume.py", RESUME)
+    state = user.workdir / "state"
+    state.mkdir()
+    args = (url, json.dumps(options), str(state))
+    assert _lines(user.torchrun(script, *args, "save")) == [{"ok": True}] * 2
+    # A new job, nothing changed: the revalidated listing is the same one, and
+    # each rank reads the 64 - 24 samples of its share it had not consumed.
+    assert _lines(user.torchrun(script, *args, "load")) == [{"rest": 40}] * 2
+    # One object rewritten: the error names it, not a digest.
+    _put(s3fs_client, bucket, 7, 700)
+    out = _lines(user.torchrun(script, *args, "load"))
+    assert all("error" in r for r in out), out
+    assert all(f"s3://{bucket}/train/0007.npy" in r["error"] for r in out), out
+    assert all("1 object changed" in r["error"] for r in out)
+
+
+OPEN = """
+import io, json, sys
+import numpy as np
+from shardcache import DistributedCachedDataset
+from shardcache.errors import ShardCacheError
+
+def load_npy(data):
+    return np.load(io.BytesIO(data))
+
+url, options, revalidate = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+try:
+    ds = DistributedCachedDataset(url, preprocess=load_npy, storage_options=options,
+                                  revalidate=revalidate)
+except ShardCacheError as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+    sys.exit(0)
+print(json.dumps({"n": len(ds), "first": int(ds[0][0])}))
+"""
+
+
+def test_a_job_that_cannot_revalidate_stops_unless_it_opted_out(
+    user, s3, s3fs_client, bucket
+):
+    for i in range(16):
+        _put(s3fs_client, bucket, i, i)
+    url, options = f"s3://{bucket}/train/", s3.storage_options()
+    script = user.write("open.py", OPEN)
+    assert _lines(user.python(str(script), url, json.dumps(options), "job")) == [
+        {"n": 16, "first": 0}
+    ]
+    # The source is unreachable now (nothing listens there).
+    down = {
+        **options,
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}"},
+        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1},
+    }
+    [failed] = _lines(user.python(str(script), url, json.dumps(down), "job"))
+    assert failed["error"] in ("RemoteFetchError", "SourceNotFound"), failed
+    assert url in failed["message"] and "revalidate='never'" in failed["message"]
+    # Opted out: the job starts on the listing the cluster holds, from the cache.
+    assert _lines(user.python(str(script), url, json.dumps(down), "never")) == [
+        {"n": 16, "first": 0}
+    ]

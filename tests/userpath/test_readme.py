@@ -1,0 +1,78 @@
+"""The README's quick start, run as written: the code block is read from
+README.md, saved as ``train.py`` and started with the command its first
+line names. The only things the test supplies are what a user's machine
+has: a bucket called ``my-bucket`` (moto's server, through
+``AWS_ENDPOINT_URL``) and a HOME where the demo ran once.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shlex
+from pathlib import Path
+
+import numpy as np
+import redis as redis_py
+from PIL import Image
+
+from shardcache.dataset import default_name
+from shardcache.usage import UsageReader
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+BUCKET = "my-bucket"
+IMAGES = 64
+
+
+def quickstart() -> tuple[str, list[str]]:
+    """The quick start's code and the command on its first line."""
+    block = re.search(r"```python\n(# train\.py.*?)```", README.read_text(), re.S)
+    assert block, "README.md lost its quick start"
+    code = block.group(1)
+    command = code.splitlines()[0].split("run with:", 1)[1].strip()
+    return code, shlex.split(command)
+
+
+def _png(i: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.full((8, 8, 3), i, np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_readme_quickstart_runs_as_written_and_reads_each_object_once(
+    user, s3, s3fs_client
+):
+    if s3fs_client.exists(BUCKET):
+        s3fs_client.rm(BUCKET, recursive=True)
+    s3fs_client.mkdir(BUCKET)
+    for i in range(IMAGES):
+        s3fs_client.pipe(f"{BUCKET}/train/{i:03d}.png", _png(i))
+    code, command = quickstart()
+    assert command[:3] == ["python", "-m", "torch.distributed.run"]
+    user.write("train.py", code)
+    env = {"AWS_ENDPOINT_URL": s3.storage_options()["client_kwargs"]["endpoint_url"]}
+
+    s3.reset_counts()
+    done = user.python(*command[1:], env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "Traceback" not in done.stderr and "InvalidAuthToken" not in done.stderr
+    assert s3.total_gets == IMAGES  # epochs 2 and 3 read no S3 object
+
+    # A second run after two images changed: a job of its own that reads
+    # exactly those two.
+    for i in (5, 40):
+        s3fs_client.pipe(f"{BUCKET}/train/{i:03d}.png", _png(200 + i))
+    s3.reset_counts()
+    again = user.python(*command[1:], env=env)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert s3.total_gets == 2
+
+    url = json.loads((user.home / ".cache/shardcache/redis.json").read_text())["url"]
+    usage = UsageReader(redis_py.Redis.from_url(url, decode_responses=True))
+    name = default_name(f"s3://{BUCKET}/train/")
+    jobs = usage.jobs(name)
+    assert len(jobs) == 2  # two runs, two jobs on the dashboard
+    assert sorted(t.samples for t in jobs.values()) == [3 * IMAGES, 3 * IMAGES]
+    assert sorted(t.samples_source for t in jobs.values()) == [2, IMAGES]
+    s3fs_client.rm(BUCKET, recursive=True)

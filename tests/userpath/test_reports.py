@@ -1,0 +1,111 @@
+"""Reports without ceremony: what a rank delivered reaches Redis however it ends.
+
+A script that raises mid-epoch, one SIGTERMed (as torchrun does to the other
+ranks when one fails) and one SIGKILLed: no ``close()`` anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import redis as redis_py
+
+from shardcache.usage import UsageReader
+
+DELIVER = """
+import json, sys, time
+import numpy as np
+from shardcache import DistributedCachedDataset
+
+root, mode = sys.argv[1], sys.argv[2]
+ds = DistributedCachedDataset(root, name="reports")
+print(json.dumps({"job": ds.job}), flush=True)
+delivered = 0
+for epoch in range(1000):
+    ds.set_epoch(epoch)
+    for batch in ds.loader(16):
+        delivered += len(batch)
+        print(json.dumps({"delivered": delivered}), flush=True)
+        if mode == "raise" and delivered == 80:
+            raise RuntimeError("the model diverged")
+        time.sleep(0.05)
+"""
+
+
+def _data(root: Path, n: int = 160) -> None:
+    root.mkdir()
+    for i in range(n):
+        np.save(root / f"{i:04d}.npy", np.full((8,), i, np.float32))
+
+
+def _reader(home: Path) -> UsageReader:
+    url = json.loads((home / ".cache" / "shardcache" / "redis.json").read_text())
+    return UsageReader(redis_py.Redis.from_url(url["url"], decode_responses=True))
+
+
+def _start(user, script: Path, root: Path, mode: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(script), f"{root}/", mode],
+        cwd=user.workdir, env=user.env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+def _follow(proc: subprocess.Popen[str], until: int) -> tuple[str, int]:
+    """Read the script's lines until it delivered ``until`` samples."""
+    job, delivered = "", 0
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        out = json.loads(line)
+        job = out.get("job", job)
+        delivered = out.get("delivered", delivered)
+        if delivered >= until:
+            break
+    return job, delivered
+
+
+def test_a_rank_that_raises_reports_what_it_delivered(user):
+    root = user.workdir / "data"
+    _data(root)
+    script = user.write("train.py", DELIVER)
+    proc = _start(user, script, root, "raise")
+    job, delivered = _follow(proc, 80)
+    assert proc.wait(timeout=120) == 1
+    assert "the model diverged" in proc.stderr.read()
+    totals = _reader(user.home).job_totals("reports", job)
+    assert (delivered, totals.samples) == (80, 80)
+    [rank] = [r for r in _reader(user.home).ranks("reports") if r.job == job]
+    assert rank.state(time.time(), 3.0) == "ended"
+
+
+def test_sigterm_reports_everything_and_sigkill_loses_at_most_one_second(user):
+    root = user.workdir / "data"
+    _data(root)
+    script = user.write("train.py", DELIVER)
+
+    proc = _start(user, script, root, "run")
+    job, delivered = _follow(proc, 96)
+    proc.send_signal(signal.SIGTERM)  # what torchrun sends the other ranks
+    # It exited (Ray's driver, or shardcache when no one else does, turns
+    # SIGTERM into SystemExit) rather than died of the signal (rc < 0).
+    assert proc.wait(timeout=60) in (signal.SIGTERM, 128 + signal.SIGTERM)
+    last = [json.loads(x) for x in proc.stdout.read().splitlines() if x]
+    delivered = max([delivered] + [x.get("delivered", 0) for x in last])
+    assert _reader(user.home).job_totals("reports", job).samples == delivered
+
+    proc = _start(user, script, root, "run")
+    job, delivered = _follow(proc, 160)
+    proc.kill()
+    proc.wait(timeout=60)
+    time.sleep(3.5)  # the rank's silence outlasts three flush intervals
+    reported = _reader(user.home).job_totals("reports", job).samples
+    # Batches come every ~50 ms: one flush interval (1 s) is ~20 of them.
+    assert delivered - 20 * 16 <= reported <= delivered
+    [rank] = [r for r in _reader(user.home).ranks("reports") if r.job == job]
+    assert rank.state(time.time(), 3.0) == "lost"
