@@ -307,8 +307,8 @@ class DistributedCachedDataset(Dataset[Any]):
         self.manifest = self._map_manifest(ref)
         self._sampler = ShardSampler(
             self.manifest.layout.sizes(),
-            self.rank,
-            self.world_size,
+            rank,  # None: the sampler reads it at first use
+            world_size,
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,
