@@ -110,6 +110,19 @@ def _as_tuple(sample: Any) -> Any:
     return tuple(sample[f"({i})"] for i in range(len(sample)))
 
 
+def _provisional_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """The rank and world as far as known now, without raising: the sampler
+    resolves (and validates) them at first use."""
+    try:
+        world = World.detect()
+    except ConfigError:
+        world = World()
+    return (
+        world.rank if rank is None else rank,
+        world.world_size if world_size is None else world_size,
+    )
+
+
 def _ray_inherited_by_fork() -> bool:
     """In a process that is not the one that built the dataset: is Ray's
     connection inherited (fork) rather than absent (spawn)?"""
@@ -312,9 +325,10 @@ class DistributedCachedDataset(Dataset[Any]):
             self.config = ClientConfig(**overrides)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        world = World.detect()
-        self.rank = world.rank if rank is None else rank
-        self.world_size = world.world_size if world_size is None else world_size
+        # Provisional until the sampler reads the world at first use (a
+        # dataset may be built before the launcher or process group has
+        # said where this process is); _use_world brings the final one.
+        self.rank, self.world_size = _provisional_world(rank, world_size)
         self.name = (
             validate_name("name", name) if name is not None else default_name(urls)
         )
@@ -376,13 +390,15 @@ class DistributedCachedDataset(Dataset[Any]):
         self.fingerprint = dataset_fingerprint(self.preprocess, target, version)
         self._sampler = ShardSampler(
             self.manifest.layout.sizes(),
-            self.rank,
-            self.world_size,
+            rank,  # None: the sampler reads it at first use
+            world_size,
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,
             shuffle_block=shuffle_block or 0,
         )
+        self._epoch_started: int | None = None
+        self._sampler.bind(self._start_epoch, self._use_world)
         self.generation = self._register_in_index()
         self._refreshes = 0
         self._reset_process_state()
@@ -471,8 +487,8 @@ class DistributedCachedDataset(Dataset[Any]):
             # The sampler's order is a pure function of these: a store plans
             # its eviction on it (``clairvoyant``).
             "order": {
-                "rank": self.rank,
-                "world_size": self.world_size,
+                "rank": self._sampler.rank,
+                "world_size": self._sampler.world_size,
                 "seed": self._sampler.seed,
                 "shuffle": "global"
                 if self._sampler.mode == "global"
@@ -529,6 +545,7 @@ class DistributedCachedDataset(Dataset[Any]):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._sampler.bind(self._start_epoch, self._use_world)
         self._client = open_client(self.config)
         self.manifest = None  # type: ignore[assignment]
         self._reset_process_state()
@@ -573,11 +590,27 @@ class DistributedCachedDataset(Dataset[Any]):
         return self._sampler
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch``: reshuffle this rank's order and report last epoch's waits."""
+        """Start ``epoch``: reshuffle this rank's order and report last epoch's waits.
+
+        ``ds.sampler.set_epoch(epoch)`` does the same (trainers call that one);
+        calling both with one epoch does the work once.
+        """
+        self._sampler.set_epoch(epoch)  # calls _start_epoch back
+
+    def _use_world(self, world: World) -> None:
+        # The sampler read the world (at first use): rank-keyed reporting
+        # follows it. Only ever before this process's first batch.
+        if (world.rank, world.world_size) == (self.rank, self.world_size):
+            return
+        self.rank, self.world_size = world.rank, world.world_size
+        if self._pid == os.getpid() and self._waits.batches == 0:
+            self._reset_process_state()
+
+    def _start_epoch(self, epoch: int, resuming: bool) -> None:
+        if epoch == self._epoch_started and self._waits.batches == 0:
+            return  # both set_epoch calls of one epoch, or a repeat: once
+        self._epoch_started = epoch
         self._report_rank()
-        # A resume pending for this very epoch keeps its position.
-        resuming = epoch == self._sampler.epoch and self._sampler.pending_skip
-        self._sampler.set_epoch(epoch)
         self._sampler.order()  # computed now, not inside the first batch's wait
         self._snapshot_due = True
         if not resuming:
@@ -600,6 +633,7 @@ class DistributedCachedDataset(Dataset[Any]):
         ``loader()`` is faster: it gathers straight into the batch tensor.
         """
         reader, chunks, chunk_ids, rows, idx, started = self._fetch(indices)
+        self._sampler.audit(idx)
         samples = [
             reader.sample(chunks[c], r, i)
             for c, r, i in zip(

@@ -3,6 +3,7 @@
 * ShardCacheError
   + ConfigError(ShardCacheError, ValueError)   bad argument or setting, raised at construction
   + EmptyDatasetError(ConfigError)             the source listing matched no object
+  + ShardedTwiceError(ConfigError)             a trainer split the per-rank loader over ranks again
   + CacheMiss(ShardCacheError, KeyError)       key absent and fetch disabled
   + StaleVersionError(ShardCacheError)         object changed upstream during read
   + PreprocessError(ShardCacheError)           the user's preprocess raised or returned a non-array
@@ -40,6 +41,7 @@ __all__ = [
     "RemoteFetchError",
     "ShardCacheError",
     "ShardUnavailable",
+    "ShardedTwiceError",
     "SourceFormatError",
     "SourceNotFound",
     "StaleVersionError",
@@ -57,6 +59,12 @@ class ConfigError(ShardCacheError, ValueError):
 
 class EmptyDatasetError(ConfigError):
     """The source URL is valid but lists no object."""
+
+
+class ShardedTwiceError(ConfigError):
+    """A trainer split the already per-rank loader over the ranks a second
+    time, so each rank would skip part of its shard (the message names the
+    trainer setting to change)."""
 
 
 class CacheMiss(ShardCacheError, KeyError):

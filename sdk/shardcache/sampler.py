@@ -6,16 +6,24 @@ indices this epoch's iterator yielded, so a restored loader continues the
 same order exactly. An epoch resumed at another world size
 (:mod:`shardcache.resume`) is part of the state too, so it survives a
 second save and load.
+
+It is a :class:`~torch.utils.data.DistributedSampler` (same ``num_replicas``,
+``rank``, ``epoch``, ``num_samples``, ``total_size`` and ``set_epoch``), so
+trainers that re-shard any other sampler over the ranks (Lightning's default
+``use_distributed_sampler=True``) leave it as it is. Its rank and world are
+read at first use (:class:`~shardcache.world.LazyWorld`), and ``set_epoch``
+starts the dataset's epoch too (whichever of the two a trainer calls).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler, Sampler, get_worker_info
 
+from shardcache.audit import DeliveryAudit
 from shardcache.chunks import ChunkLayout
 from shardcache.errors import ConfigError
 from shardcache.resume import (
@@ -26,6 +34,7 @@ from shardcache.resume import (
     world_shards,
 )
 from shardcache.sharding import epoch_order, global_order, validate_world
+from shardcache.world import LazyWorld, World
 
 __all__ = [
     "SHUFFLE_MODES",
@@ -68,13 +77,15 @@ def batch_bounds(
     return bounds
 
 
-class ShardSampler(Sampler[int]):
+class ShardSampler(DistributedSampler[int]):
     """Yields this rank's sample indices for the current epoch.
 
     Args:
         chunk_sizes: samples per chunk, in manifest order; a rank's shard is
             made of whole chunks (a few split at the edges for balance).
-        rank: this rank. world_size: ranks in the job.
+        rank: this rank. world_size: ranks in the job. ``None``: read at
+            first use from the process group, else the launcher's variables
+            (:meth:`~shardcache.world.World.detect`).
         shuffle: ``True``/``"shard"`` reshuffles inside a stable per-rank
             shard; ``"global"`` is DistributedSampler's global permutation;
             ``False`` keeps shard order.
@@ -87,15 +98,16 @@ class ShardSampler(Sampler[int]):
     def __init__(
         self,
         chunk_sizes: Sequence[int] | np.ndarray,
-        rank: int,
-        world_size: int,
+        rank: int | None,
+        world_size: int | None,
         *,
         shuffle: bool | str = True,
         seed: int = 0,
         drop_last: bool = False,
         shuffle_block: int = 0,
     ):
-        validate_world(rank, world_size)
+        if rank is not None and world_size is not None:
+            validate_world(rank, world_size)
         if shuffle not in SHUFFLE_MODES:
             raise ConfigError(
                 f"shuffle must be one of {SHUFFLE_MODES}, got {shuffle!r}."
@@ -112,7 +124,12 @@ class ShardSampler(Sampler[int]):
             )
         self.sizes = np.asarray(chunk_sizes, dtype=np.int64)
         self.n = int(np.sum(self.sizes))
-        self.rank, self.world_size = rank, world_size
+        self._world = LazyWorld(rank, world_size)
+        self._derived: World | None = None  # the world the shard was cut for
+        self._used = False  # an index was dealt: the world can no longer move
+        self._on_epoch: Callable[[int, bool], None] | None = None
+        self._on_world: Callable[[World], None] | None = None
+        self._audit = DeliveryAudit()
         self.mode = "global" if shuffle == "global" else "shard"
         self.shuffle = shuffle is not False
         self.seed, self.drop_last = int(seed), drop_last
@@ -125,19 +142,84 @@ class ShardSampler(Sampler[int]):
         # nodes (to save and recompute it), this rank's order, all lengths.
         self._resumed: dict[str, Any] | None = None
         self._basis: dict[str, Any] | None = None  # see resume.world_shards
+        self._order_cache: tuple[int, np.ndarray] | None = None
+
+    # -- the world, read at first use -------------------------------------------------
+    def bind(
+        self,
+        on_epoch: Callable[[int, bool], None] | None,
+        on_world: Callable[[World], None] | None = None,
+    ) -> None:
+        """Call ``on_epoch(epoch, resuming)`` from every :meth:`set_epoch` and
+        ``on_world(world)`` when the rank is known (the dataset's hooks).
+        They are not pickled: the dataset binds its copy again."""
+        self._on_epoch, self._on_world = on_epoch, on_world
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_on_epoch=None, _on_world=None, _order_cache=None)
+        return state
+
+    def _resolve(self) -> World:
+        if self._derived is None:
+            world = self._world.get()
+            validate_world(world.rank, world.world_size)
+            self._derive(world)
+        assert self._derived is not None
+        return self._derived
+
+    def _derive(self, world: World) -> None:
+        self._derived = world
+        self._order_cache = None
         if self.mode == "shard":
             self._set_shard()
         else:
-            self.shard = np.arange(self.n)
-            self.num_samples = (
-                self.n // world_size if drop_last else -(-self.n // world_size)
-            )
+            w = world.world_size
+            self._shard = np.arange(self.n)
+            self._num_samples = self.n // w if self.drop_last else -(-self.n // w)
+        if self._on_world is not None:
+            self._on_world(world)
+
+    def _check_world(self) -> None:
+        """At an epoch's start: follow a process group started since the world
+        was read, or fail if samples were already dealt for another world."""
+        if self._derived is not None and self._world.check(used=self._used):
+            self._derive(self._world.get())
+
+    @property
+    def rank(self) -> int:
+        return self._resolve().rank
+
+    @property
+    def world_size(self) -> int:
+        return self._resolve().world_size
+
+    @property
+    def num_replicas(self) -> int:
+        """``world_size``, under DistributedSampler's name."""
+        return self.world_size
+
+    @property
+    def shard(self) -> np.ndarray:
+        """This rank's stable shard (ascending sample indices)."""
+        self._resolve()
+        return self._shard
+
+    @property
+    def num_samples(self) -> int:
+        """Samples per rank this epoch (the longest rank's, unless drop_last)."""
+        self._resolve()
+        return self._num_samples
+
+    @property
+    def total_size(self) -> int:
+        return self.num_samples * self.world_size
 
     def _set_shard(self) -> None:
         shards = world_shards(self.sizes, self.world_size, self.seed, self._basis)
-        self.shard = shards[self.rank]
+        self._shard = shards[self.rank]
         sizes = [len(s) for s in shards]
-        self.num_samples = min(sizes) if self.drop_last else max(sizes)
+        self._num_samples = min(sizes) if self.drop_last else max(sizes)
         self._order_cache = None
 
     def use_basis(self, basis: Mapping[str, Any] | None) -> None:
@@ -145,21 +227,52 @@ class ShardSampler(Sampler[int]):
         over ranks), as a saved state says."""
         if self.mode == "shard" and basis != self._basis:
             self._basis = dict(basis) if basis is not None else None
-            self._set_shard()
+            if self._derived is not None:
+                self._set_shard()
 
     def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` here and in the dataset (``ds.set_epoch`` is the same).
+
+        Raises:
+            ConfigError: a process group started since the rank was read and
+                disagrees with it (see :class:`~shardcache.world.LazyWorld`).
+        """
+        epoch = int(epoch)
+        # A resume pending for this very epoch keeps its position.
+        resuming = epoch == self.epoch and self._skip > 0
         if epoch != self.epoch:
             self._skip = 0
             self._yielded = 0
-        self.epoch = int(epoch)
+        self.epoch = epoch
+        self._check_world()
+        self._audit.reset()
+        if self._on_epoch is not None:
+            self._on_epoch(epoch, resuming)
+
+    def audit(self, indices: np.ndarray) -> None:
+        """Check a batch the dataset was asked for (see :mod:`shardcache.audit`).
+
+        Raises:
+            ShardedTwiceError: a trainer split this rank's loader over the ranks again.
+        """
+        if self._audit.is_done:
+            return
+        info = get_worker_info()
+        self._audit.check(
+            self.order(),
+            indices,
+            self.world_size,
+            info.num_workers if info is not None else 1,
+        )
 
     def order(self, epoch: int | None = None) -> np.ndarray:
         """The full order of ``epoch`` (default: the current one), read-only.
 
         Computed once per epoch: the prefetcher asks for it on every batch.
         """
+        self._resolve()
         e = self.epoch if epoch is None else epoch
-        cached = getattr(self, "_order_cache", None)
+        cached = self._order_cache
         if cached is not None and cached[0] == e:
             return cached[1]
         order = self._compute_order(e)
@@ -253,6 +366,9 @@ class ShardSampler(Sampler[int]):
         return [self.num_samples] * self.world_size
 
     def __iter__(self) -> Iterator[int]:
+        self._resolve()
+        self._check_world()
+        self._audit.reset()
         return self._iterate()
 
     def _iterate(self) -> Iterator[int]:
@@ -261,6 +377,7 @@ class ShardSampler(Sampler[int]):
         # restore does not consume the resume. ~40 ns per index.
         start = self.take_skip()
         self._yielded = start
+        self._used = True
         for i in self.order()[start:].tolist():
             self._yielded += 1
             yield i
@@ -351,8 +468,12 @@ class ShardBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         s = self.sampler
+        s._resolve()
+        s._check_world()
+        s._audit.reset()
         start = s.take_skip()
         s._yielded = start
+        s._used = True
         order = s.order()
         for lo, hi in self._bounds(start):
             s._yielded = start + hi

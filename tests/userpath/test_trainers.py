@@ -1,0 +1,129 @@
+"""docs/trainers.md, run as written under each trainer: every sample once per epoch.
+
+Each snippet of the doc is a script: ``trainer_scripts/harness.py`` (DATA,
+a ``Net`` that records the sample values it is fed, a rank<R>.json report
+at exit) followed by the snippet's code block exactly as the doc shows it.
+400 ``.npy`` samples (value = index), 2 CPU ranks, batch 20, 3 epochs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+ROOT = Path(__file__).resolve().parents[2]
+HARNESS = Path(__file__).with_name("trainer_scripts") / "harness.py"
+SAMPLES, EPOCHS, RANKS = 400, 3, 2
+
+
+def snippet(heading: str) -> str:
+    """The first python block under ``## heading`` of docs/trainers.md."""
+    doc = (ROOT / "docs" / "trainers.md").read_text()
+    section = doc.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def script(user, name: str, body: str) -> Path:
+    return user.write(name, HARNESS.read_text() + "\n# --- the snippet ---\n" + body)
+
+
+def make_data(user, name: str) -> tuple[dict[str, str], Path]:
+    """400 one-sample .npy files (value = index) and an empty report folder."""
+    data = user.workdir / name
+    data.mkdir()
+    for i in range(SAMPLES):
+        np.save(data / f"{i:04d}.npy", np.array([i], dtype=np.int64))
+    out = user.workdir / f"{name}-out"
+    out.mkdir()
+    return {"TRAINERS_DATA": f"{data}/*.npy", "TRAINERS_OUT": str(out)}, out
+
+
+def check_run(proc, out: Path) -> list[dict]:
+    """Every sample exactly once per epoch across ranks; each rank's shard
+    the same every epoch; returns the rank reports."""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]
+    assert [r["world_size"] for r in reports] == [RANKS] * RANKS
+    per_rank = []
+    for rep in reports:
+        n = rep["per_epoch"]
+        values = rep["values"]
+        assert len(values) == EPOCHS * n, (rep["rank"], len(values), n)
+        epochs = [values[e * n : (e + 1) * n] for e in range(EPOCHS)]
+        assert all(sorted(e) == sorted(epochs[0]) for e in epochs), rep["rank"]
+        per_rank.append(epochs)
+    for e in range(EPOCHS):
+        union = [v for epochs in per_rank for v in epochs[e]]
+        assert sorted(union) == list(range(SAMPLES)), f"epoch {e}"
+    return reports
+
+
+def lightning_top_level(body: str) -> str:
+    """The Lightning snippet with the dataset built at the top of the script
+    and ``use_distributed_sampler=False``."""
+    top = body.replace(
+        "    def train_dataloader(self):\n"
+        "        ds = DistributedCachedDataset(DATA)\n"
+        "        return DataLoader(ds, batch_size=20, sampler=ds.sampler)\n",
+        "    def train_dataloader(self):\n"
+        "        return DataLoader(ds, batch_size=20, sampler=ds.sampler)\n\n"
+        "ds = DistributedCachedDataset(DATA)\n",
+    ).replace('strategy="ddp",', 'strategy="ddp", use_distributed_sampler=False,')
+    assert "use_distributed_sampler=False" in top and "\nds = " in top
+    return top
+
+
+def check_counts(reports: list[dict]) -> None:
+    """``ds.stats()`` as plain torchrun gives it: only epoch 0 reads the
+    source. (How much of epoch 0 counts as misses depends on how far the
+    first batch's prefetch got, so that split is not compared.)"""
+    per_rank = SAMPLES // RANKS
+    for r in reports:
+        assert r["hits"] + r["misses"] == EPOCHS * per_rank, r["rank"]
+        assert r["hits"] >= (EPOCHS - 1) * per_rank, (r["rank"], r["hits"])
+        assert 0 < r["misses"] <= per_rank, (r["rank"], r["misses"])
+
+
+def test_trainers_torchrun_and_accelerate_deliver_every_sample_once(user):
+    env, out = make_data(user, "plain")
+    proc = user.torchrun(script(user, "plain.py", snippet("torchrun")), env=env)
+    check_counts(check_run(proc, out))
+
+    env, out = make_data(user, "accel")
+    body = snippet("Accelerate (and the Hugging Face Trainer)")
+    proc = user.torchrun(script(user, "accel.py", body), env=env)
+    check_counts(check_run(proc, out))
+
+    # The loader given to prepare() too: an error naming the fix, not half the data.
+    env, out = make_data(user, "prepared")
+    wrong = body.replace(
+        "model, opt = accelerator.prepare(model, opt)",
+        "model, opt, loader = accelerator.prepare(model, opt, loader)",
+    )
+    assert wrong != body
+    proc = user.torchrun(script(user, "prepared.py", wrong), env=env)
+    assert proc.returncode != 0
+    assert "ShardedTwiceError" in proc.stderr, proc.stderr[-4000:]
+    assert "accelerator.prepare()" in proc.stderr
+
+
+def test_trainers_lightning_defaults_and_dataset_built_before_fit(user):
+    env, out = make_data(user, "lightning")
+    proc = user.python(
+        str(script(user, "lit.py", snippet("PyTorch Lightning"))), env=env
+    )
+    check_counts(check_run(proc, out))
+
+    # The dataset built at the top of the script, before Trainer.fit starts
+    # the other process (which gets LOCAL_RANK and WORLD_SIZE but no RANK),
+    # with use_distributed_sampler=False: Lightning sets only the sampler's epoch.
+    env, out = make_data(user, "toplevel")
+    top = lightning_top_level(snippet("PyTorch Lightning"))
+    proc = user.python(str(script(user, "top.py", top)), env=env)
+    check_counts(check_run(proc, out))
