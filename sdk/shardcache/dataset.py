@@ -632,8 +632,9 @@ class DistributedCachedDataset(Dataset[Any]):
 
         ``loader()`` is faster: it gathers straight into the batch tensor.
         """
+        # The batch as asked for (before on_error="skip" stand-ins).
+        self._sampler.audit(np.asarray(indices, dtype=np.int64))
         reader, chunks, chunk_ids, rows, idx, started = self._fetch(indices)
-        self._sampler.audit(idx)
         samples = [
             reader.sample(chunks[c], r, i)
             for c, r, i in zip(
