@@ -33,18 +33,20 @@ def script(user, name: str, body: str) -> Path:
     return user.write(name, HARNESS.read_text() + "\n# --- the snippet ---\n" + body)
 
 
-def make_data(user, name: str) -> tuple[dict[str, str], Path]:
-    """400 one-sample .npy files (value = index) and an empty report folder."""
+def make_data(user, name: str, base: int) -> tuple[dict[str, str], Path]:
+    """400 one-sample .npy files (value = base + index) and an empty report
+    folder. Each scenario has its own ``base``: the cache is keyed by
+    content, so equal files would be warm for the next scenario."""
     data = user.workdir / name
     data.mkdir()
     for i in range(SAMPLES):
-        np.save(data / f"{i:04d}.npy", np.array([i], dtype=np.int64))
+        np.save(data / f"{i:04d}.npy", np.array([base + i], dtype=np.int64))
     out = user.workdir / f"{name}-out"
     out.mkdir()
     return {"TRAINERS_DATA": f"{data}/*.npy", "TRAINERS_OUT": str(out)}, out
 
 
-def check_run(proc, out: Path) -> list[dict]:
+def check_run(proc, out: Path, base: int) -> list[dict]:
     """Every sample exactly once per epoch across ranks; each rank's shard
     the same every epoch; returns the rank reports."""
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -60,7 +62,7 @@ def check_run(proc, out: Path) -> list[dict]:
         per_rank.append(epochs)
     for e in range(EPOCHS):
         union = [v for epochs in per_rank for v in epochs[e]]
-        assert sorted(union) == list(range(SAMPLES)), f"epoch {e}"
+        assert sorted(union) == list(range(base, base + SAMPLES)), f"epoch {e}"
     return reports
 
 
@@ -91,17 +93,20 @@ def check_counts(reports: list[dict]) -> None:
 
 
 def test_trainers_torchrun_and_accelerate_deliver_every_sample_once(user):
-    env, out = make_data(user, "plain")
+    base = 0
+    env, out = make_data(user, "plain", base)
     proc = user.torchrun(script(user, "plain.py", snippet("torchrun")), env=env)
-    check_counts(check_run(proc, out))
+    check_counts(check_run(proc, out, base))
 
-    env, out = make_data(user, "accel")
+    base = 1000
+    env, out = make_data(user, "accel", base)
     body = snippet("Accelerate (and the Hugging Face Trainer)")
     proc = user.torchrun(script(user, "accel.py", body), env=env)
-    check_counts(check_run(proc, out))
+    check_counts(check_run(proc, out, base))
 
     # The loader given to prepare() too: an error naming the fix, not half the data.
-    env, out = make_data(user, "prepared")
+    base = 2000
+    env, out = make_data(user, "prepared", base)
     wrong = body.replace(
         "model, opt = accelerator.prepare(model, opt)",
         "model, opt, loader = accelerator.prepare(model, opt, loader)",
@@ -114,16 +119,18 @@ def test_trainers_torchrun_and_accelerate_deliver_every_sample_once(user):
 
 
 def test_trainers_lightning_defaults_and_dataset_built_before_fit(user):
-    env, out = make_data(user, "lightning")
+    base = 3000
+    env, out = make_data(user, "lightning", base)
     proc = user.python(
         str(script(user, "lit.py", snippet("PyTorch Lightning"))), env=env
     )
-    check_counts(check_run(proc, out))
+    check_counts(check_run(proc, out, base))
 
     # The dataset built at the top of the script, before Trainer.fit starts
     # the other process (which gets LOCAL_RANK and WORLD_SIZE but no RANK),
     # with use_distributed_sampler=False: Lightning sets only the sampler's epoch.
-    env, out = make_data(user, "toplevel")
+    base = 4000
+    env, out = make_data(user, "toplevel", base)
     top = lightning_top_level(snippet("PyTorch Lightning"))
     proc = user.python(str(script(user, "top.py", top)), env=env)
-    check_counts(check_run(proc, out))
+    check_counts(check_run(proc, out, base))
