@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from shardcache.changes import describe_changes
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
@@ -25,6 +25,7 @@ from shardcache.errors import (
     ConfigError,
     IndexUnavailable,
     RemoteFetchError,
+    ShardUnavailable,
     StaleVersionError,
     TransformError,
 )
@@ -121,6 +122,19 @@ def _provisional_world(rank: int | None, world_size: int | None) -> tuple[int, i
         world.rank if rank is None else rank,
         world.world_size if world_size is None else world_size,
     )
+
+
+def _source_summary(urls: str | Sequence[str]) -> str:
+    """The source as error messages name it: never a whole URL list (millions
+    of lines), never a presigned URL's query (its signature).
+
+    >>> _source_summary(["s3://b/a.npy?X-Amz-Signature=s", "s3://b/c.npy"])
+    's3://b/a.npy and 1 more'
+    """
+    first = urls if isinstance(urls, str) else (list(urls) or [""])[0]
+    first = first.split("?", 1)[0]
+    more = 0 if isinstance(urls, str) else len(urls) - 1
+    return f"{first} and {more} more" if more else first
 
 
 def _ray_inherited_by_fork() -> bool:
@@ -372,14 +386,15 @@ class DistributedCachedDataset(Dataset[Any]):
             )
         try:
             ref, self.digest = self._client.manifest(self._spec, open_token)
-        except RemoteFetchError as exc:
+        except (RemoteFetchError, ShardUnavailable) as exc:
             if not open_token.startswith("open/"):
                 raise
             # Same type, so callers' handlers still match; the message adds
-            # the opt-out a job with an immutable source may want.
+            # the opt-out a job with an immutable (or huge) source may want.
             raise type(exc)(
-                f"{exc} (a new job revalidates the listing of {self.urls!r}; pass "
-                "revalidate='never' to start on the listing the cluster holds)"
+                f"{exc} (a new job revalidates the listing of "
+                f"{_source_summary(urls)!r}; pass revalidate='never' to start on "
+                "the listing the cluster holds)"
             ) from exc
         self.manifest = self._map_manifest(ref)
         if self.format is None and preprocess is None and source_dataset is None:
@@ -500,6 +515,10 @@ class DistributedCachedDataset(Dataset[Any]):
         }
 
     def _reset_process_state(self) -> None:
+        old = getattr(self, "_reader", None)
+        if old is not None and getattr(self, "_pid", None) == os.getpid():
+            old.close()  # its prefetch pool; the world or the process changed
+        self._epoch_reported = False
         self._pid = os.getpid()
         self._attached = False
         self._reader: ChunkReader | None = None
@@ -538,6 +557,12 @@ class DistributedCachedDataset(Dataset[Any]):
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers get the small description: never the mapped
         # manifest, chunks or threads. Each worker maps them again by digest.
+        try:
+            # Workers must deal this rank's shard, not guess the world on
+            # their own (no process group there); unknowable yet is fine.
+            self._sampler.rank  # noqa: B018 (resolves the world)
+        except ConfigError:
+            pass
         state = self.__dict__.copy()
         for k in ("_reader", "_client", "manifest", "_usage"):
             state.pop(k, None)
@@ -610,6 +635,7 @@ class DistributedCachedDataset(Dataset[Any]):
         if epoch == self._epoch_started and self._waits.batches == 0:
             return  # both set_epoch calls of one epoch, or a repeat: once
         self._epoch_started = epoch
+        self._epoch_reported = False
         self._report_rank()
         self._sampler.order()  # computed now, not inside the first batch's wait
         self._snapshot_due = True
@@ -768,9 +794,14 @@ class DistributedCachedDataset(Dataset[Any]):
             whole = self._waits.batches == 1 and not reader.saw_uncached
             span = len(order) if whole else window
             reader.prefetch(order[self._cursor : self._cursor + span])
-        if self._cursor >= len(self._sampler):
+        if (
+            not self._epoch_reported
+            and self._cursor >= len(self._sampler)
+            and get_worker_info() is None  # a worker sees only part of it
+        ):
             # The rank's share of the epoch is delivered: its numbers go out
-            # now, not whenever the next epoch (or the exit) comes.
+            # now, not whenever the next epoch (or the exit) comes. Once.
+            self._epoch_reported = True
             reader.submit(self._usage.flush)
             self._report_rank(in_background=True)
         elif self._waits.batches % RANK_REPORT_EVERY == 0:
@@ -891,7 +922,7 @@ class DistributedCachedDataset(Dataset[Any]):
             and np.array_equal(old.columns["names"], manifest.columns["names"])
         ):
             raise ConfigError(
-                f"the set of objects under {self.urls!r} changed ({len(old)} -> "
+                f"the set of objects under {_source_summary(self.urls)!r} changed ({len(old)} -> "
                 f"{len(manifest)}); build a new DistributedCachedDataset so every rank "
                 "agrees on the shards."
             )
@@ -909,7 +940,7 @@ class DistributedCachedDataset(Dataset[Any]):
     ) -> list[str]:
         if not np.array_equal(old.layout.starts, manifest.layout.starts):
             raise ConfigError(
-                f"the samples under {self.urls!r} changed in number or place "
+                f"the samples under {_source_summary(self.urls)!r} changed in number or place "
                 f"({len(old)} -> {len(manifest)}); build a new "
                 "DistributedCachedDataset so every rank agrees on the shards."
             )
@@ -1001,7 +1032,7 @@ class DistributedCachedDataset(Dataset[Any]):
         except StaleVersionError:
             what = "the listing it was saved on is no longer held by the cluster"
         raise ConfigError(
-            f"state_dict was saved on another listing of {self.urls!r} ({what}); "
+            f"state_dict was saved on another listing of {_source_summary(self.urls)!r} ({what}); "
             "its positions would not match today's shards. Start the epoch over "
             "(skip load_state_dict), or restore those objects and resume."
         )
@@ -1055,6 +1086,11 @@ class DistributedCachedDataset(Dataset[Any]):
     def _final_report(self) -> None:
         """At process exit (``shardcache.flusher``): the last rank report;
         the usage counts are flushed right after."""
+        if get_worker_info() is not None:
+            # A DataLoader worker: its counts are flushed under the rank's
+            # name, but the rank's report and its end are the rank's own.
+            self._usage.owns_rank = False
+            return
         if self._pid == os.getpid():
             self._report_rank()
 

@@ -102,8 +102,16 @@ def start_redis_server(
         IndexUnavailable: it did not answer in time.
     """
     port = port or free_port()
-    args = [
-        find_redis_server(),
+    args = [find_redis_server()]
+    if password:
+        # In a 0600 file, not on the command line: /proc/<pid>/cmdline is
+        # readable by every local user.
+        conf = directory / f"redis-{port}.conf"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"requirepass {password}\n")
+        args.append(str(conf))
+    args += [
         "--port",
         str(port),
         "--bind",
@@ -115,8 +123,6 @@ def start_redis_server(
         "--dir",
         str(directory),
     ]
-    if password:
-        args += ["--requirepass", password]
     proc = subprocess.Popen(
         args,
         stdout=subprocess.DEVNULL,

@@ -2,8 +2,11 @@
 
 One flusher per process (a rank, or a DataLoader worker it spawned) owns a
 daemon thread that flushes every live :class:`~shardcache.usage.UsageReporter`
-each ``FLUSH_INTERVAL_S``, and an exit hook that runs the registered final
-reports (a rank's last report) and flushes once more.
+each ``FLUSH_INTERVAL_S`` (and writes a heartbeat every ``HEARTBEAT_S`` while
+the process lives, so a rank in a long step is not taken for dead), and an
+exit hook that runs the registered final reports (a rank's last report) and
+flushes once more, within ``EXIT_DEADLINE_S``: an unreachable Redis never
+holds up the end of a script or a DataLoader worker.
 """
 
 from __future__ import annotations
@@ -13,18 +16,25 @@ import multiprocessing.util
 import os
 import signal
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from shardcache.usage import FLUSH_INTERVAL_S
+from shardcache.usage import FLUSH_INTERVAL_S, HEARTBEAT_S
 
 if TYPE_CHECKING:
     from shardcache.usage import UsageReporter
 
-__all__ = ["at_exit", "keep_flushed"]
+__all__ = ["EXIT_DEADLINE_S", "at_exit", "keep_flushed"]
 
 log = logging.getLogger("shardcache")
+
+# The most the exit hook may take, all reporters together: a final report to
+# a Redis that is down would otherwise retry for minutes (redis-py's default
+# retries x the connect timeout), and a DataLoader worker's parent gives it
+# only 5 s before it SIGTERMs it.
+EXIT_DEADLINE_S = 3.0
 
 
 class _Flusher:
@@ -42,35 +52,71 @@ class _Flusher:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.reporters: weakref.WeakSet[UsageReporter] = weakref.WeakSet()
-        self.finals: list[weakref.WeakMethod[Callable[[], None]]] = []
+        self.finals: dict[tuple[int, str], weakref.WeakMethod[Callable[[], None]]] = {}
         self.lock = threading.Lock()
         self.stop = threading.Event()
+        self.done = False
         self.thread = threading.Thread(
             target=self._loop, name="shardcache-usage-flush", daemon=True
         )
         self.thread.start()
         multiprocessing.util.Finalize(None, self.at_exit, exitpriority=100)
-        _exit_on_sigterm()
+        _exit_on_sigterm(self)
+
+    def live(self) -> list[UsageReporter]:
+        with self.lock:  # WeakSet iteration is not safe against a concurrent add
+            return list(self.reporters)
 
     def _loop(self) -> None:
+        beat_at = time.monotonic()
         while not self.stop.wait(FLUSH_INTERVAL_S):
-            for reporter in list(self.reporters):
-                if reporter.unflushed_samples or reporter.has_rank_counts:
-                    reporter.flush()
+            beat = time.monotonic() >= beat_at
+            if beat:
+                beat_at = time.monotonic() + HEARTBEAT_S
+            for reporter in self.live():
+                try:
+                    if reporter.unflushed_samples or reporter.has_rank_counts:
+                        reporter.flush()
+                    elif beat:
+                        reporter.heartbeat()
+                except Exception as exc:  # the thread must outlive one bad flush
+                    log.warning("shardcache: usage flush failed: %s", exc)
 
     def at_exit(self) -> None:
-        self.stop.set()
+        """Final reports and flushes, bounded by ``EXIT_DEADLINE_S``."""
         with self.lock:
-            finals, self.finals = self.finals, []
+            if self.done:
+                return
+            self.done = True
+            finals = list(self.finals.values())
+            self.finals.clear()
+        self.stop.set()
+        worker = threading.Thread(
+            target=self._finish, args=(finals,), name="shardcache-exit", daemon=True
+        )
+        worker.start()
+        worker.join(EXIT_DEADLINE_S)
+        if worker.is_alive():
+            log.warning(
+                "shardcache: the final usage report did not reach Redis within "
+                "%.0f s; up to one flush interval of samples is not counted",
+                EXIT_DEADLINE_S,
+            )
+
+    def _finish(self, finals: list[weakref.WeakMethod[Callable[[], None]]]) -> None:
         for ref in finals:
             fn = ref()
-            if fn is not None:
-                try:
-                    fn()
-                except Exception as exc:  # never mask the script's own exit
-                    log.warning("shardcache: final report failed: %s", exc)
-        for reporter in list(self.reporters):
-            reporter.close()
+            if fn is None:
+                continue
+            try:
+                fn()
+            except Exception as exc:  # never mask the script's own exit
+                log.warning("shardcache: final report failed: %s", exc)
+        for reporter in self.live():
+            try:
+                reporter.close()
+            except Exception as exc:
+                log.warning("shardcache: final usage flush failed: %s", exc)
 
 
 _flusher: _Flusher | None = None
@@ -85,33 +131,40 @@ def _process_flusher() -> _Flusher:
 
 def keep_flushed(reporter: UsageReporter) -> None:
     """Flush ``reporter`` in the background and at this process's exit."""
-    _process_flusher().reporters.add(reporter)
+    flusher = _process_flusher()
+    with flusher.lock:
+        flusher.reporters.add(reporter)
 
 
 def at_exit(method: Callable[[], None]) -> None:
     """Call the bound ``method`` when this process exits, if its object lives.
 
-    Held weakly: a dataset that is garbage-collected is not kept alive.
+    Held weakly (a dataset that is garbage-collected is not kept alive), and
+    once per object and method however often it is registered.
     """
     flusher = _process_flusher()
+    owner = getattr(method, "__self__", None)
+    key = (id(owner), getattr(method, "__name__", ""))
     with flusher.lock:
-        flusher.finals.append(weakref.WeakMethod(method))  # type: ignore[arg-type]
+        flusher.finals[key] = weakref.WeakMethod(method)  # type: ignore[arg-type]
 
 
-def _exit_on_sigterm() -> None:
-    """Turn SIGTERM into ``SystemExit`` when nobody else handles it, so the
-    exit hooks run: torchrun SIGTERMs the other ranks when one fails, and
-    Kubernetes SIGTERMs a pod before killing it. Raising (rather than
-    flushing inside the handler) unwinds the interrupted code first, so no
-    lock it held is taken twice. Left alone when the process already has a
-    handler (Ray workers, a trainer's own), or off the main thread."""
+def _exit_on_sigterm(flusher: _Flusher) -> None:
+    """Report before a SIGTERM ends the process, when nobody else handles it
+    (torchrun SIGTERMs the other ranks when one fails; Kubernetes SIGTERMs a
+    pod before killing it): run the bounded exit hook, then die of the
+    signal as before. The hook runs on its own thread, so a lock the
+    interrupted code holds delays it at most ``EXIT_DEADLINE_S``. Left alone
+    when the process already has a handler (Ray's drivers turn SIGTERM into
+    ``SystemExit``, a trainer may have its own), or off the main thread."""
     if threading.current_thread() is not threading.main_thread():
         return
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return
 
     def _terminated(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one kills
-        raise SystemExit(128 + signum)
+        flusher.at_exit()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
     signal.signal(signal.SIGTERM, _terminated)

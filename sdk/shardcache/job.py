@@ -8,13 +8,14 @@ user. In order of precedence:
 
 1. ``job=`` or ``SHARDCACHE_JOB``: the user's own name for the run.
 2. Ray Train: the run's id (``TrainRunContext.run_id``), shared by its workers.
-3. torchrun with a run id of its own: ``TORCHELASTIC_RUN_ID``, unless it is
-   ``none``, which static multi-node launches (``--master-addr``, no
-   ``--rdzv-id``) set for every run alike.
-4. torchrun without one: the first rank to ask writes a fresh id into the
-   launcher's own store (``TORCHELASTIC_USE_AGENT_STORE``; the TCPStore at
-   ``MASTER_ADDR:MASTER_PORT``, new for every launch), every rank reads it.
-   A worker group restarted by the agent keeps the id (same launch, same job).
+3. torchrun: the first rank to ask writes a fresh id into the launcher's
+   own store (``TORCHELASTIC_USE_AGENT_STORE``; the TCPStore at
+   ``MASTER_ADDR:MASTER_PORT``, new for every launch), every rank reads it,
+   prefixed by ``TORCHELASTIC_RUN_ID`` unless that is ``none`` (static
+   multi-node launches set ``none`` for every run alike; a ``--rdzv-id`` is
+   often a constant too, so it never identifies a launch alone). A worker
+   group restarted by the agent keeps the id (same launch, same job).
+4. A run id without the agent's store: ``TORCHELASTIC_RUN_ID``.
 5. An initialized process group: the same through its store.
 6. One process (world size 1): a fresh id.
 7. Several ranks and none of the above (a launcher that starts the process
@@ -73,8 +74,7 @@ def resolve_job(explicit: str | None, env: Mapping[str, str] | None = None) -> J
     if ray_run:
         return JobId(ray_run, "ray-train")
     run_id = env.get("TORCHELASTIC_RUN_ID", "")
-    if run_id and run_id != TORCHRUN_DEFAULT_RUN_ID:
-        return JobId(_safe(run_id), "torchrun")
+    named = bool(run_id) and run_id != TORCHRUN_DEFAULT_RUN_ID
     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("MASTER_PORT"):
         from torch.distributed import TCPStore
 
@@ -84,7 +84,14 @@ def resolve_job(explicit: str | None, env: Mapping[str, str] | None = None) -> J
             is_master=False,
             timeout=timedelta(seconds=STORE_TIMEOUT_S),
         )
-        return JobId(_agree(store), "torchrun-store")
+        # A run id is often a constant (--rdzv-id=train pasted into every
+        # launch): the launch's own store tells two launches apart.
+        launch = _agree(store)
+        return JobId(
+            f"{_safe(run_id)[:40]}-{launch[:8]}" if named else launch, "torchrun"
+        )
+    if named:
+        return JobId(_safe(run_id), "torchrun")
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

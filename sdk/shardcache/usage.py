@@ -78,6 +78,7 @@ __all__ = [
 
 ORIGINS = ("local", "peer", "source")
 FLUSH_INTERVAL_S = 1.0  # how often the rank's background thread calls flush()
+HEARTBEAT_S = 10.0  # a live process with nothing to flush still says so this often
 MAX_PENDING_FLUSHES = 900  # failed batches kept: 7.5 h at the 30 s backoff
 MAX_BACKOFF_S = 30.0  # retry interval cap while Redis is unreachable
 JOBS_SHOWN = 5  # most recent jobs listed per dataset
@@ -267,6 +268,9 @@ class UsageReporter:
             counted as lost. Defaults to ``MAX_PENDING_FLUSHES``.
         clock: wall clock for the 10 s buckets (tests replay epochs with it).
             Defaults to ``time.time``.
+        owns_rank: this process is the rank itself (not one of its DataLoader
+            workers): its ``close()`` marks the rank's report final. Defaults
+            to ``True``.
 
     Raises:
         ConfigError: a name is not key-safe, rank < 0, or max_pending_flushes < 1.
@@ -288,6 +292,7 @@ class UsageReporter:
         redis_url: str = "",
         max_pending_flushes: int = MAX_PENDING_FLUSHES,
         clock: Callable[[], float] = time.time,
+        owns_rank: bool = True,
     ):
         self.ns = keys.validate_name("namespace", namespace)
         self.dataset = keys.validate_name("dataset", dataset)
@@ -304,6 +309,9 @@ class UsageReporter:
         self._max_pending = max_pending_flushes
         self._clock = clock
         self._member = f"{job}/{rank}"
+        # Only the rank's own process marks its report final: a DataLoader
+        # worker reports under the rank's name but ends long before the rank.
+        self.owns_rank = owns_rank
         self._new_process_state()
         # A forked child must not resend the parent's counts.
         ref = weakref.WeakMethod(self._new_process_state)
@@ -418,7 +426,8 @@ class UsageReporter:
         """Flush one last time and mark this process's report final; returns
         the samples that could not be reported."""
         if self.flush(force=True):
-            self._mark_ended()
+            if self.owns_rank:
+                self._mark_ended()
             return 0
         dropped = self._lost.get("lost_samples", 0)
         carried = sum(b.lost.get("lost_samples", 0) for b in self._pending)
@@ -427,13 +436,23 @@ class UsageReporter:
     def _mark_ended(self) -> None:
         """Stamp the rank's hash: its reports are complete as of now (a later
         flush by another process of the rank moves ``ts`` past it again)."""
-        if self._client is None:  # never flushed: nothing of ours in Redis
-            return
+        self._hset("ended")
+
+    def heartbeat(self) -> None:
+        """Say this process is alive with nothing to flush (a long step, an
+        evaluation, a checkpoint): the dashboard tells a quiet rank from a
+        dead one by this."""
+        self._hset("ts")
+
+    def _hset(self, field: str) -> None:
         try:
             with map_redis_errors(self._url):
+                if self._client is None:
+                    self._client = self._factory()
+                    self._script = self._client.register_script(_APPLY)
                 self._client.hset(
                     keys.usage_rank_key(self.ns, self.dataset, self._member),
-                    "ended",
+                    field,
                     repr(self._clock()),
                 )
         except IndexUnavailable as exc:

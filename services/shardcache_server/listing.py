@@ -226,7 +226,8 @@ class Listings:
         self._published: dict[str, str] = {}  # the digest of my latest listing
         self._published_at: dict[str, float] = {}  # when that listing began
         self._tokens: dict[str, dict[str, tuple[float, str]]] = {}  # -> (start, digest)
-        self._inflight: dict[str, asyncio.Future[tuple[Any, str]]] = {}
+        # dataset -> (the listing under way, when it began)
+        self._inflight: dict[str, tuple[asyncio.Future[tuple[Any, str]], float]] = {}
 
     def held(self, dataset: str, digest: str) -> tuple[Any, Manifest] | None:
         return self._held.get(dataset, {}).get(digest)
@@ -283,20 +284,24 @@ class Listings:
     ) -> tuple[Any, str, Manifest]:
         """List ``spec`` once (concurrent callers share it) and hold the result."""
         name = spec["name"]
-        running = self._inflight.get(name)
-        if running is not None:
-            # Joining a listing already under way (another job started at the
-            # same moment): it began after this call was made, so it is
-            # fresh enough, and the token must remember it so the rest of
-            # this job's ranks read the very same listing.
-            ref, digest = await asyncio.shield(running)
-            self._remember(name, token, time.time(), digest)
-            return ref, digest, self._held[name][digest][1]
+        arrived = time.time()
+        while (running := self._inflight.get(name)) is not None:
+            # A listing already under way (another job started at the same
+            # moment, or another refresh round). If it began before this
+            # call it may predate a change this call must see: wait for it,
+            # then list again (or join one begun since). Either way the
+            # token remembers what answered it, so the rest of this job's
+            # ranks read the very same listing.
+            fut, began = running
+            ref, digest = await asyncio.shield(fut)
+            if began >= arrived or not token or token.startswith(MAX_AGE_TOKEN):
+                self._remember(name, token, time.time(), digest)
+                return ref, digest, self._held[name][digest][1]
         fut: asyncio.Future[tuple[Any, str]] = (
             asyncio.get_running_loop().create_future()
         )
-        self._inflight[name] = fut
         started = time.time()
+        self._inflight[name] = (fut, started)
         try:
             listed = await self._lister(spec, self._latest_ref(name), self.spans.room())
             ref, digest = listed.ref, listed.digest

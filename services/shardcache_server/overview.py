@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from shardcache.index import HitStats, RedisIndex
-from shardcache.usage import FLUSH_INTERVAL_S, RankUsage, UsageReader
+from shardcache.usage import HEARTBEAT_S, RankUsage, UsageReader
 
 __all__ = ["dataset_overview", "node_rows", "rank_rows", "store_traffic"]
 
@@ -21,8 +21,8 @@ EXACT_BYTES_MAX_ENTRIES = 50_000  # above this, cached bytes are estimated per p
 STRAGGLER_FACTOR = 2.0  # a rank is a straggler past twice the median
 STRAGGLER_MIN_EXTRA_S = 1.0  # ...and at least this much more blocked time
 # A rank silent this long without a final report has stopped (SIGKILL, OOM):
-# three flush intervals, so one slow Redis write is not a death.
-RANK_SILENT_AFTER_S = 3 * FLUSH_INTERVAL_S
+# three heartbeats, so a long step or one slow Redis write is not a death.
+RANK_SILENT_AFTER_S = 3 * HEARTBEAT_S
 
 
 def store_traffic(s: HitStats) -> dict[str, Any]:
