@@ -95,7 +95,15 @@ class _Describer:
         return self._object(v, where, depth)
 
     def _object(self, v: Any, where: str, depth: int) -> str:
+        if isinstance(v, logging.Logger):
+            # Its caches fill as the process logs: by name, or ranks that
+            # logged differently before building the dataset would disagree.
+            return f"logger:{v.name}"
         state = _state(v)
+        if state is not None and _is_runtime_machinery(type(v)):
+            # Threads, handlers, executors, queues: state that moves while
+            # the process runs says nothing about the data.
+            return f"{_qualname(type(v))}:<runtime>"
         text = repr(v)
         if state is None:
             if " at 0x" in text:
@@ -240,6 +248,15 @@ def _has_plain_repr(v: Any) -> bool:
 def _is_user_code(cls: type) -> bool:
     module = cls.__module__.split(".")[0]
     return module not in ("builtins", "numpy", "torch", "functools", "ray")
+
+
+_RUNTIME_MODULES = ("threading", "_thread", "logging", "multiprocessing", "queue",
+                    "concurrent", "asyncio", "socket", "ssl", "io", "_io", "weakref")
+
+
+def _is_runtime_machinery(cls: type) -> bool:
+    """Process machinery whose state changes as the process runs (never data)."""
+    return cls.__module__.split(".")[0] in _RUNTIME_MODULES
 
 
 def _qualname(cls: type) -> str:
