@@ -14,7 +14,7 @@ from shardcache import DistributedCachedDataset
 from shardcache.checksum import is_intact
 from shardcache_server.cli import app
 from shardcache_server.settings import ServiceSettings
-from shardcache_server.shard import CacheShard
+from shardcache_server.store import CacheShard
 
 from helpers import local_build, register_dataset
 

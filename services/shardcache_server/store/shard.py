@@ -39,14 +39,14 @@ from shardcache.index import RedisIndex
 from shardcache.manifest import Manifest
 from shardcache.packed_manifest import PackedManifest
 from shardcache_server.builder import BuildRequest, RayChunkBuilder
-from shardcache_server.disk_tier import DiskTier
 from shardcache_server.eviction import SamplerOrder, make_policy
 from shardcache_server.formats import FORMATS
 from shardcache_server.listing import Listed, Listings, RayLister, list_in_thread
-from shardcache_server.retired import RetiredGenerations
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.spans import SPAN_BUDGET_SHARE
-from shardcache_server.stats import StatsBuffer
+from shardcache_server.store.disk_tier import DiskTier
+from shardcache_server.store.retired import RetiredGenerations
+from shardcache_server.store.stats import StatsBuffer
 
 __all__ = ["CacheShard", "Item", "Result", "ray_namespace", "start_shard", "store_name"]
 
