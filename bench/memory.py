@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-STORE_CLASS = "CacheShard"  # the shardcache store actor's class name
+STORE_CLASS = "RayCacheShard"  # the shardcache store actor's class name (store/actor.py)
 RANK_CLASS = "RayRank"  # bench/ranks.py: the Ray-hosted ranks, counted as ranks
 # Worker titles that hold nothing for the system under test: idle pooled
 # workers, the ranks (counted as ranks), Ray's own per-node agents.
@@ -101,7 +101,7 @@ def ray_workers(raylet_pids: Iterable[int]) -> dict[int, str]:
 def store_pids(root_pids: Iterable[int]) -> list[int]:
     """PIDs of the shardcache store actors under ``root_pids`` (raylets or a
     driver), found by the process title Ray gives an actor's worker
-    (``ray::CacheShard``); Ray's state API needs the dashboard, which the
+    (``ray::RayCacheShard``); Ray's state API needs the dashboard, which the
     benchmark clusters do not start."""
     return [p for p, t in ray_workers(root_pids).items() if STORE_CLASS in t]
 

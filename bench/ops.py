@@ -35,7 +35,7 @@ def main() -> None:
     from shardcache.embedded import start_redis_server
     from shardcache.index import RedisIndex
     from shardcache_server.settings import ServiceSettings
-    from shardcache_server.shard import start_shard
+    from shardcache_server.store import start_shard
 
     proc, url = start_redis_server(Path(tempfile.mkdtemp()), password="ops")
     index = RedisIndex.from_url(url, "ops")

@@ -7,7 +7,7 @@ from typing import Any
 
 from shardcache.errors import ShardUnavailable
 from shardcache_server.settings import ServiceSettings
-from shardcache_server.shard import ray_namespace, start_shard, store_name
+from shardcache_server.store import ray_namespace, start_shard, store_name
 
 __all__ = ["alive_nodes", "ensure_stores", "kill_stores", "store_for_node"]
 

@@ -9,7 +9,7 @@ from shardcache.decoders import raw_bytes
 from shardcache_server.budget import RequestBudget
 from shardcache_server.emulator import FaultPlan
 from shardcache_server.settings import ServiceSettings
-from shardcache_server.shard import CacheShard
+from shardcache_server.store import CacheShard
 
 from helpers import local_build, register_dataset
 

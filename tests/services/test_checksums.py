@@ -14,7 +14,7 @@ from shardcache import DistributedCachedDataset
 from shardcache.checksum import is_intact
 from shardcache_server.cli import app
 from shardcache_server.settings import ServiceSettings
-from shardcache_server.shard import CacheShard
+from shardcache_server.store import CacheShard
 
 from helpers import local_build, register_dataset
 
@@ -167,11 +167,11 @@ def test_shard_chunk_spilled_to_disk_verifies_and_corrupt_file_is_rebuilt(
         await shard.register(spec, raw_bytes)
         await shard.get("ds", 1, items)
         await shard.flush_disk()
-        shard._evict_local(("ds", chunk))  # only its file is left
+        shard._table.evict(("ds", chunk))  # only its file is left
         (loaded,) = await shard.get("ds", 1, items[:1])
         spilled_ok = loaded[0] == "hit" and is_intact(loaded[1])
-        shard._evict_local(("ds", chunk))
-        path = shard._disk.path("ds", chunk)
+        shard._table.evict(("ds", chunk))
+        path = shard._spill.disk.path("ds", chunk)
         raw = path.read_bytes()
         path.write_bytes(raw.replace(b"\x01" * 64, b"\xee" * 64))
         found = await shard.verify_contents("ds")

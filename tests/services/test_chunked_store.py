@@ -12,7 +12,7 @@ from shardcache.chunks import Chunk
 from shardcache.decoders import raw_bytes
 from shardcache.manifest import Manifest
 from shardcache_server.settings import ServiceSettings
-from shardcache_server.shard import CacheShard
+from shardcache_server.store import CacheShard
 
 from helpers import local_build, register_dataset
 

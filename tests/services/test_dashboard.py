@@ -19,7 +19,7 @@ from shardcache.index import RedisIndex
 from shardcache.usage import UsageReader, UsageReporter
 from shardcache_server.dashboard import create_app
 from shardcache_server.settings import ServiceSettings
-from shardcache_server.shard import CacheShard
+from shardcache_server.store import CacheShard
 
 from helpers import local_build, register_dataset
 

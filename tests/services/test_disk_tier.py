@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardcache_server.disk_tier import DiskTier
+from shardcache_server.store.disk_tier import DiskTier
 
 META = {"version": "v1", "generation": 1, "fingerprint": "fp"}
 

@@ -1,0 +1,388 @@
+"""The cache store: one per Ray node, owning the ObjectRefs of the chunks it caches.
+
+The unit of everything here (claims, pull-once, eviction, retired
+generations, index entries) is a chunk: a run of consecutive samples built
+by ``builder.py`` in worker processes of the node. ``CacheShard`` is a plain
+class (tests drive it without Ray); ``actor.py`` is the only place it
+becomes a Ray actor.
+
+Ownership rule: the shard answers the actor API and serves hits; it owns
+the registered datasets and coordinates the rooms that own the rest (the
+held table, the miss path, listings, the disk tier, index records, upkeep,
+content checks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from shardcache import keys
+from shardcache.errors import StaleVersionError
+from shardcache.index import RedisIndex
+from shardcache_server.eviction import SamplerOrder, make_policy
+from shardcache_server.listing import Lister, list_in_thread
+from shardcache_server.settings import ServiceSettings
+from shardcache_server.spans import SPAN_BUDGET_SHARE
+from shardcache_server.store.checks import ContentChecks
+from shardcache_server.store.datasets import Builder, Dataset, Item, Result
+from shardcache_server.store.disk_tier import DiskTier
+from shardcache_server.store.manifests import Manifests
+from shardcache_server.store.misses import MissResolver
+from shardcache_server.store.records import IndexRecords
+from shardcache_server.store.retired import RetiredGenerations
+from shardcache_server.store.spill import Spill
+from shardcache_server.store.stats import StatsBuffer
+from shardcache_server.store.table import HeldTable
+from shardcache_server.store.upkeep import Upkeep
+
+__all__ = ["CacheShard", "Item", "Result"]
+
+
+class CacheShard:
+    """Caches preprocessed chunks of any number of datasets on one node.
+
+    Args:
+        settings: the service settings (budget, eviction, fetch limits, Redis).
+        node_id: the Ray node this store serves.
+        put: stores a value and returns a reference; ``ray.put`` under Ray.
+        get: maps a reference back to its value (or an awaitable of it);
+            under Ray the ObjectRef itself, awaited on the event loop.
+        peer: returns the store handle of another node, or ``None`` if gone.
+        build: builds one chunk and returns ``(reference, report)``; under
+            Ray a task pinned to this node (``builder.RayChunkBuilder``).
+        lister: lists a dataset's source. Defaults to listing in a thread of
+            this process (``listing.list_in_thread``); under Ray a task.
+    """
+
+    def __init__(
+        self,
+        settings: dict[str, Any] | ServiceSettings,
+        node_id: str,
+        *,
+        put: Callable[[Any], Any],
+        get: Callable[[Any], Any],
+        peer: Callable[[str], Any],
+        build: Builder,
+        lister: Lister | None = None,
+    ):
+        self.settings = (
+            settings
+            if isinstance(settings, ServiceSettings)
+            else ServiceSettings(**settings)
+        )
+        self.node_id = node_id
+        self.incarnation = uuid.uuid4().hex[:8]
+        self.me = f"{node_id}/{self.incarnation}"
+        self._datasets: dict[str, Dataset] = {}
+        self._stats = StatsBuffer()
+        self._records = IndexRecords(node_id, self.me, self.settings.preprocess_workers)
+        self._table = HeldTable(
+            make_policy(self.settings.eviction, self.settings.cache_bytes),
+            RetiredGenerations(self.settings.retire_grace_s),
+        )
+        self._manifests = Manifests(
+            node_id,
+            self._records,
+            peer=peer,
+            get=get,
+            lister=lister or list_in_thread(put),
+            span_budget_bytes=int(self.settings.cache_bytes * SPAN_BUDGET_SHARE),
+        )
+        self._spill = (
+            Spill(
+                DiskTier(
+                    self.settings.disk_dir,
+                    self.settings.namespace,
+                    self.settings.disk_bytes,
+                ),
+                put=put,
+                get=get,
+                datasets=self._datasets,
+                table=self._table,
+                records=self._records,
+                stats=self._stats,
+            )
+            if self.settings.disk_dir
+            else None
+        )
+        self._misses = MissResolver(
+            self.settings,
+            table=self._table,
+            spill=self._spill,
+            manifests=self._manifests,
+            records=self._records,
+            stats=self._stats,
+            peer=peer,
+            build=build,
+        )
+        self._checks = ContentChecks(
+            table=self._table,
+            spill=self._spill,
+            misses=self._misses,
+            records=self._records,
+            datasets=self._datasets,
+            get=get,
+            peer=peer,
+        )
+        self._upkeep = Upkeep(
+            self.settings,
+            table=self._table,
+            datasets=self._datasets,
+            manifests=self._manifests,
+            records=self._records,
+            stats=self._stats,
+            info=self.info,
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle -------------------------------------------------------------
+    def _ensure_started(self) -> None:
+        if self._loop is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._records.index = RedisIndex.from_url(
+            self.settings.redis_url, self.settings.namespace
+        )
+        # A new incarnation means the previous one (if any) lost its cache.
+        self._records.event("store_start", "", incarnation=self.incarnation)
+        loops = self._upkeep.start()
+        if self._spill is not None:  # adopt what a previous store left on disk
+            loops.append(self._spill.start())
+        self._tasks += [self._loop.create_task(c) for c in loops]
+
+    async def ping(self) -> str:
+        """Start background work and return ``node_id/incarnation``."""
+        self._ensure_started()
+        return self.me
+
+    async def close(self) -> None:
+        """Flush stats and stop background work (tests, graceful shutdown)."""
+        self._upkeep.stop()
+        for t in self._tasks:
+            t.cancel()
+        await self.flush_disk()
+        await self._upkeep.flush_once()
+        self._records.close()
+
+    # -- public API ------------------------------------------------------------
+    async def register(
+        self,
+        spec: dict[str, Any],
+        preprocess: Callable[[bytes], Any],
+        target: Callable[[str], Any] | None = None,
+    ) -> int:
+        """Learn how to build a dataset's chunks; returns its generation.
+
+        ``spec["manifest"]`` is the digest of the listing the caller reads;
+        this store maps that manifest (from its holder) before answering. The
+        callables come from the job that registered the dataset (through
+        Ray), never from Redis.
+        """
+        self._ensure_started()
+        name = keys.validate_name("dataset name", spec["name"])
+        manifest = await self._manifests.by_digest(name, spec["manifest"], spec)
+        if spec.get("order"):  # the rank's sampler: clairvoyant eviction plans on it
+            self._table.policy.learn(
+                name, SamplerOrder.from_spec(spec["order"], manifest.layout.sizes())
+            )
+        # Advance first: the generation being retired keeps its own spec.
+        self._upkeep.advance(name, int(spec["generation"]))
+        self._datasets[name] = Dataset(
+            name,
+            spec["protocol"],
+            spec["fingerprint"],
+            preprocess,
+            dict(spec.get("storage_options") or {}),
+            manifest,
+            spec["manifest"],
+            target,
+            spec.get("urls", ""),
+            spec.get("source_object"),
+            {k: v for k, v in spec.items() if k not in ("order", "source_object")},
+        )
+        return self._table.generation[name]
+
+    async def registered(self, dataset: str) -> list[Any]:
+        """``[spec, preprocess, target]`` of ``dataset`` as a job registered it
+        here, or ``[]``: ``shardcache warm --like`` warms with exactly that."""
+        ds = self._datasets.get(dataset)
+        if ds is None or ds.spec is None:
+            return []
+        return [dict(ds.spec), ds.preprocess, ds.target]
+
+    async def manifest(
+        self, spec: dict[str, Any], token: str = "", *, forwarded: bool = False
+    ) -> list[Any]:
+        """``[reference, digest]`` of the dataset's published manifest.
+
+        Listed once per cluster: the store holding the claim in Redis lists
+        (again for each new refresh ``token``; ``""`` takes any listing);
+        every other store forwards to it. The reference is wrapped in a list
+        so Ray hands it over unresolved.
+        """
+        self._ensure_started()
+        name = keys.validate_name("dataset name", spec["name"])
+        return await self._manifests.published(name, spec, token, forwarded=forwarded)
+
+    async def take_span(self, dataset: str, version: str) -> list[Any]:
+        """``[reference]`` of the bytes this store's listing kept for unit
+        ``version`` (no longer held here), or ``[]``: a peer's build asks."""
+        return self._manifests.take_kept(dataset, version)
+
+    async def manifest_of(self, dataset: str, digest: str) -> list[Any]:
+        """``[reference]`` of a manifest this store holds, or ``[]`` (peers ask)."""
+        return self._manifests.held_ref(dataset, digest)
+
+    async def get(
+        self,
+        dataset: str,
+        generation: int,
+        items: list[Item],
+        *,
+        forwarded: bool = False,
+        digest: str | None = None,
+    ) -> list[Result]:
+        """Return a chunk reference (or an error record) for every item, in order.
+
+        Hits cost nothing but a dict lookup. Misses are claimed in Redis: this
+        store builds the chunks it owns and asks the owner store for the
+        rest, so each object is read from the source once per cluster.
+        ``digest`` names the listing the caller's chunk versions come from.
+        """
+        self._ensure_started()
+        ds = self._datasets.get(dataset)
+        if ds is None:
+            return [("unregistered",)] * len(items)
+        if digest is not None and digest != ds.digest:
+            try:
+                manifest = await self._manifests.by_digest(
+                    dataset,
+                    digest,
+                    {"urls": ds.urls, "storage_options": ds.storage_options},
+                )
+            except StaleVersionError as exc:
+                return [("error", "StaleVersionError", str(exc))] * len(items)
+            ds = replace(ds, manifest=manifest, digest=digest)
+        known = self._table.generation[dataset]
+        if generation < known:
+            retired = self._table.retired.spec(dataset, generation)
+            if retired is not None:
+                return await self._misses.serve_retired(retired, generation, items)
+            msg = (
+                f"dataset {dataset!r} generation {generation} was invalidated; "
+                f"the current generation is {known}. Re-read the generation and retry."
+            )
+            return [("error", "StaleVersionError", msg)] * len(items)
+        if generation > known:
+            self._upkeep.advance(dataset, generation)
+        if not forwarded:  # one call is one batch of a local rank
+            self._table.policy.observe([(dataset, url) for url, _, _ in items])
+        counts = (dataset, generation)
+        results: list[Result | None] = [None] * len(items)
+        missed: list[int] = []
+        for i, (url, etag, _) in enumerate(items):
+            cached = self._table.hit(dataset, url, etag, generation)
+            if cached is None:
+                missed.append(i)
+                continue
+            results[i] = ("hit", cached.ref)
+            if not forwarded:
+                self._stats.add(counts, "hits")
+                self._stats.add(counts, "bytes_served", cached.nbytes)
+        if missed:
+            found = await self._misses.get(
+                ds, generation, [items[i] for i in missed], forwarded=forwarded
+            )
+            for i, res in zip(missed, found, strict=True):
+                results[i] = res
+                if not forwarded and res[0] != "error":
+                    self._stats.add(
+                        counts, "hits" if res[0] == "remote-hit" else "misses"
+                    )
+        return [r for r in results if r is not None]
+
+    async def drop(self, dataset: str, urls: list[str] | None = None) -> int:
+        """Forget cached values of a dataset (all, or only ``urls``)."""
+        victims = [
+            k
+            for k, _ in self._table.items()
+            if k[0] == dataset and (urls is None or k[1] in urls)
+        ]
+        for k in victims:
+            self._table.evict(k)
+        if urls is None:
+            self._table.retired.drop(dataset)
+            if self._spill is not None:
+                await asyncio.to_thread(self._spill.disk.drop, dataset)
+        elif self._spill is not None:
+            for url in urls:
+                await asyncio.to_thread(self._spill.disk.remove, dataset, url)
+        return len(victims)
+
+    async def flush_disk(self) -> dict[str, int]:
+        """Wait for the disk writes in flight (tests, graceful shutdown)."""
+        return await self._spill.flush() if self._spill is not None else {}
+
+    # -- content checks (checks.py) ---------------------------------------------
+    async def verify_contents(
+        self, dataset: str, repair: bool = False
+    ) -> dict[str, Any]:
+        """Check the contents of every chunk of ``dataset`` this store holds, in
+        memory and on disk, against the checksum written when it was built.
+
+        With ``repair`` each bad chunk is dropped and built again, once (from
+        the source, or from its disk file when that still verifies), and the
+        rebuilt chunk is checked too. Returns ``{"node", "checked", "bad",
+        "repaired", "still_bad"}``; ``bad`` lists chunk keys (a disk file
+        only: ``"c3 (disk)"``).
+        """
+        self._ensure_started()
+        return await self._checks.verify(dataset, repair)
+
+    async def drop_corrupt(
+        self, dataset: str, generation: int, chunk: str, *, forwarded: bool = False
+    ) -> bool:
+        """A rank found ``chunk`` failing its checksum: forget it here (or at
+        its owner) so that the next request builds it again. True if dropped.
+
+        The rank and the store map the same object-store pages, so the rank's
+        finding is the store's too; a disk file is kept only if it verifies.
+        """
+        self._ensure_started()
+        return await self._checks.drop_corrupt(
+            dataset, generation, chunk, forwarded=forwarded
+        )
+
+    # -- what is held ----------------------------------------------------------
+    async def info(self) -> dict[str, Any]:
+        """What this store holds: bytes, entries, per-dataset counts."""
+        policy = self._table.policy
+        return {
+            "node_id": self.node_id,
+            "incarnation": self.incarnation,
+            "pid": os.getpid(),
+            "used_bytes": policy.used_bytes,
+            "budget_bytes": policy.budget_bytes,
+            "entries": len(self._table),
+            "eviction": self.settings.eviction,
+            "bytes_by_dataset": self._table.bytes_by_dataset(),
+            "generations": dict(self._table.generation),
+            "dropped_stat_flushes": self._stats.dropped_flushes,
+            "inflight": len(self._misses),
+            **self._table.retired.summary(),
+            **(self._spill.disk.summary() if self._spill is not None else {}),
+        }
+
+    async def snapshot(self, dataset: str) -> dict[str, dict[str, Any]]:
+        """What this store holds for ``dataset``: url -> etag, generation, bytes."""
+        return {
+            url: {"etag": c.etag, "generation": c.generation, "nbytes": c.nbytes}
+            for (ds, url), c in self._table.items()
+            if ds == dataset
+        }
