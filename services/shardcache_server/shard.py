@@ -35,13 +35,13 @@ from shardcache.errors import (
     ShardCacheError,
     StaleVersionError,
 )
-from shardcache.index import RedisIndex
 from shardcache.manifest import Manifest
 from shardcache.packed_manifest import PackedManifest
 from shardcache_server.builder import BuildRequest, RayChunkBuilder
 from shardcache_server.disk_tier import DiskTier
 from shardcache_server.eviction import SamplerOrder, make_policy
 from shardcache_server.formats import FORMATS
+from shardcache_server.index import ClusterIndex as RedisIndex
 from shardcache_server.listing import Listed, Listings, RayLister, list_in_thread
 from shardcache_server.retired import RetiredGenerations
 from shardcache_server.settings import ServiceSettings
