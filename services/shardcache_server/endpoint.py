@@ -283,6 +283,16 @@ class Endpoint:
             return _ok(getattr(self.index, op)(**args)), []
         if op == "usage_apply":
             return _ok(self._usage_apply(m)), []
+        if op == "usage_hset":  # a rank stamps its usage hash "ended"
+            self._check_usage_keys([m["key"]])
+            if m.get("field") != "ended":
+                raise ConfigError(
+                    f"the endpoint sets only the 'ended' field of a rank's usage "
+                    f"hash, not {m.get('field')!r}."
+                )
+            with self.index.errors():
+                hset = self.index.client.hset
+                return _ok(hset(m["key"], "ended", str(m["value"]))), []
         if op == "usage_hgetall":
             self._check_usage_keys([m["key"]])
             with self.index.errors():
