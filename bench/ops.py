@@ -33,12 +33,12 @@ def main() -> None:
     import ray
 
     from shardcache.embedded import start_redis_server
-    from shardcache.index import RedisIndex
+    from shardcache_server.index import ClusterIndex
     from shardcache_server.settings import ServiceSettings
     from shardcache_server.store import start_shard
 
     proc, url = start_redis_server(Path(tempfile.mkdtemp()), password="ops")
-    index = RedisIndex.from_url(url, "ops")
+    index = ClusterIndex.from_url(url, "ops")
     index.register("ds", "s3://b/", "fp", 1000, 0)
     paths = [f"s3://b/{i}" for i in range(BATCH)]
     out: dict[str, Any] = {}

@@ -67,7 +67,7 @@ def register_dataset(
     """
     from shardcache.decoders import raw_bytes
     from shardcache.fingerprint import fingerprint
-    from shardcache.index import RedisIndex
+    from shardcache_server.index import ClusterIndex
     from shardcache_server.listing import list_with_layout
 
     preprocess = preprocess or raw_bytes
@@ -80,7 +80,7 @@ def register_dataset(
         "fingerprint": fingerprint(preprocess),
     }
     manifest = list_with_layout(spec, None)
-    index = RedisIndex.from_url(redis_url, namespace)
+    index = ClusterIndex.from_url(redis_url, namespace)
     gen = index.register(
         name, prefix, fingerprint(preprocess), len(manifest), manifest.total_bytes
     )

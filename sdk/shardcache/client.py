@@ -11,6 +11,7 @@ from shardcache.config import ClientConfig
 from shardcache.errors import ConfigError, ShardCacheError, ShardUnavailable
 from shardcache.index import RedisIndex
 from shardcache.manifest import Manifest
+from shardcache.starters import store_starter
 
 __all__ = ["CacheClient", "DatasetSpec"]
 
@@ -93,15 +94,9 @@ class CacheClient:
     def _start_stores(self) -> Any:
         import ray
 
-        # The SDK does not depend on the services package, except here: the
-        # embedded default starts the stores itself when nobody deployed them.
-        from shardcache_server.cluster import ensure_stores
-        from shardcache_server.settings import ServiceSettings
-
-        settings = ServiceSettings(
-            redis_url=self.redis_url, namespace=self.config.namespace
-        )
-        handles = ensure_stores(settings)
+        # The embedded default starts the stores itself when nobody deployed
+        # them: through the named hook, so the sdk imports no cluster code.
+        handles = store_starter("ray")(self.redis_url, self.config.namespace)
         node = ray.get_runtime_context().get_node_id()
         if node not in handles:
             raise ShardUnavailable(f"no cache store on this process's Ray node {node}.")

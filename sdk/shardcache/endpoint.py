@@ -234,6 +234,11 @@ class _UsageRedis:
     def hgetall(self, key: str) -> dict[str, str]:
         return dict(self.client.call_index("usage_hgetall", key=key))
 
+    def hset(self, key: str, field: str, value: str) -> int:
+        return int(
+            self.client.call_index("usage_hset", key=key, field=field, value=value)
+        )
+
 
 class _ProxyIndex:
     """The ``RedisIndex`` methods a rank uses, answered by the cache worker."""

@@ -1,5 +1,8 @@
 """The Redis index: what is cached, where, and under which version.
 
+This is the part ranks use; the stores' claims and writes are the cluster
+side's ``ClusterIndex`` (``shardcache_server.index``), which extends it.
+
 Every value is JSON or a plain field; nothing read from Redis is unpickled.
 Multi-key updates are Lua scripts so that a reader never sees half of one.
 """
@@ -10,8 +13,8 @@ import contextlib
 import json
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Self
 
 import redis
 
@@ -24,7 +27,7 @@ __all__ = ["DatasetRecord", "HitStats", "RedisIndex", "connect_redis"]
 EVENTS_KEPT = 500  # the dashboard shows recent events; older ones are trimmed
 SERIES_BUCKET_S = 10  # resolution of the hit-rate time series
 SERIES_TTL_S = 2 * 24 * 3600  # two days of history
-_CHUNK = 1000  # paths per HMGET/HDEL so one call never blocks Redis for long
+PATHS_PER_CALL = 1000  # paths per HMGET/HDEL so one call never blocks Redis for long
 COUNTERS = (
     "hits",
     "misses",
@@ -131,16 +134,6 @@ class HitStats:
         return cls(**{k: int(float(raw.get(k, 0) or 0)) for k in COUNTERS})
 
 
-@dataclass
-class StatsDelta:
-    """Counters accumulated in memory and flushed in one pipeline."""
-
-    counts: dict[str, int] = field(default_factory=dict)
-
-    def add(self, name: str, amount: int = 1) -> None:
-        self.counts[name] = self.counts.get(name, 0) + amount
-
-
 # KEYS[1] dataset hash, KEYS[2] datasets set, KEYS[3] events list, KEYS[4] channel
 # ARGV[1] name, ARGV[2] source, ARGV[3] fingerprint, ARGV[4] now,
 # ARGV[5] objects, ARGV[6] total bytes, ARGV[7] key prefix for old generations
@@ -185,83 +178,13 @@ redis.call('PUBLISH', KEYS[3], cjson.encode({dataset=ARGV[1], generation=gen}))
 return gen
 """.replace("EVENTS_CAP", str(EVENTS_KEPT - 1))
 
-# KEYS[1] owners hash; ARGV[1] claimant, ARGV[2..] paths. Returns each owner.
-_CLAIM = """
-local out = {}
-for i = 2, #ARGV do
-  redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[1])
-  out[#out + 1] = redis.call('HGET', KEYS[1], ARGV[i])
-end
-return out
-"""
-
-# KEYS[1] owners hash; ARGV[1] expected owner, ARGV[2] new owner, ARGV[3..] paths.
-# Returns the owner of each path afterwards.
-_CAS = """
-local out = {}
-for i = 3, #ARGV do
-  local cur = redis.call('HGET', KEYS[1], ARGV[i])
-  if cur == ARGV[1] or cur == false then
-    redis.call('HSET', KEYS[1], ARGV[i], ARGV[2])
-    cur = ARGV[2]
-  end
-  out[#out + 1] = cur
-end
-return out
-"""
-
-# KEYS[1] owners hash, KEYS[2] entries hash; ARGV[1] owner, ARGV[2..] paths
-_RELEASE = """
-local n = 0
-for i = 2, #ARGV do
-  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[1] then
-    redis.call('HDEL', KEYS[1], ARGV[i])
-    redis.call('HDEL', KEYS[2], ARGV[i])
-    n = n + 1
-  end
-end
-return n
-"""
-
-# Drop entries whose recorded ETag differs from the listing's, atomically, so
-# ranks refreshing at once cannot delete an entry another store just recorded
-# for the new version. The owner's claim stays: that store still holds the old
-# chunk, whose unchanged rows it copies into the rebuilt one, so the rebuild
-# must happen there (a rank on another node forwards to it). Dropping the
-# claim let the first asker anywhere rebuild the whole chunk from the source.
-# KEYS[1] entries hash; ARGV: path1, etag1, path2, etag2, ...
-# Returns the paths dropped.
-_DROP_CHANGED = """
-local changed = {}
-for i = 1, #ARGV, 2 do
-  local raw = redis.call('HGET', KEYS[1], ARGV[i])
-  if raw then
-    local ok, entry = pcall(cjson.decode, raw)
-    if not ok or type(entry) ~= 'table' or tostring(entry['etag']) ~= ARGV[i + 1] then
-      redis.call('HDEL', KEYS[1], ARGV[i])
-      changed[#changed + 1] = ARGV[i]
-    end
-  end
-end
-return changed
-"""
-
-
-# KEYS[1] manifest hash; ARGV[1] expected owner ('' = none), ARGV[2] claimant.
-# Returns the owner afterwards: the claimant when the expected owner still
-# held it (or nobody did), else whoever won.
-_CLAIM_MANIFEST = """
-local cur = redis.call('HGET', KEYS[1], 'owner')
-if cur == false or cur == ARGV[1] then
-  redis.call('HSET', KEYS[1], 'owner', ARGV[2])
-  return ARGV[2]
-end
-return cur
-"""
-
 
 class RedisIndex:
-    """Typed access to one deployment's keys in Redis.
+    """Typed access to one deployment's keys in Redis, as a rank uses them.
+
+    Ranks register datasets, read generations and entries, invalidate and
+    report; what only stores do (claims, ownership, listing claims, entry and
+    stats writes) is ``shardcache_server.index.ClusterIndex``, a subclass.
 
     Args:
         client: a connected ``redis.Redis`` with ``decode_responses=True``.
@@ -277,14 +200,9 @@ class RedisIndex:
         self.ns = keys.validate_name("namespace", namespace)
         self._register = client.register_script(_REGISTER)
         self._invalidate = client.register_script(_INVALIDATE)
-        self._claim = client.register_script(_CLAIM)
-        self._cas = client.register_script(_CAS)
-        self._release = client.register_script(_RELEASE)
-        self._drop_changed = client.register_script(_DROP_CHANGED)
-        self._claim_manifest = client.register_script(_CLAIM_MANIFEST)
 
     @classmethod
-    def from_url(cls, url: str, namespace: str = keys.DEFAULT_NAMESPACE) -> RedisIndex:
+    def from_url(cls, url: str, namespace: str = keys.DEFAULT_NAMESPACE) -> Self:
         return cls(connect_redis(url), url, namespace)
 
     def errors(self) -> contextlib.AbstractContextManager[None]:
@@ -376,30 +294,7 @@ class RedisIndex:
         except ValueError:
             return None  # written by someone else in a shape we do not know
 
-    # -- the published listing --------------------------------------------------
-    def manifest_record(self, name: str) -> dict[str, str]:
-        """Who holds the dataset's published manifest: owner, digest, refresh, ..."""
-        with self.errors():
-            return dict(self.client.hgetall(keys.manifest_key(self.ns, name)))
-
-    def claim_manifest(self, name: str, expected: str, me: str) -> str:
-        """Become the lister if ``expected`` (or nobody) holds it; returns the holder."""
-        with self.errors():
-            return str(
-                self._claim_manifest(
-                    keys=[keys.manifest_key(self.ns, name)], args=[expected, me]
-                )
-            )
-
-    def publish_manifest(self, name: str, me: str, **fields: Any) -> None:
-        """Record the listing ``me`` published (digest, refresh round, counts)."""
-        with self.errors():
-            self.client.hset(
-                keys.manifest_key(self.ns, name),
-                mapping={"owner": me, **{k: str(v) for k, v in fields.items()}},
-            )
-
-    # -- entries and owners ---------------------------------------------------
+    # -- entries ----------------------------------------------------------------
     def entries(
         self, name: str, generation: int, paths: Iterable[str] | None = None
     ) -> dict[str, dict[str, Any]]:
@@ -411,8 +306,8 @@ class RedisIndex:
             else:
                 plist = list(paths)
                 raw = {}
-                for i in range(0, len(plist), _CHUNK):
-                    chunk = plist[i : i + _CHUNK]
+                for i in range(0, len(plist), PATHS_PER_CALL):
+                    chunk = plist[i : i + PATHS_PER_CALL]
                     raw.update(
                         {
                             p: v
@@ -432,152 +327,7 @@ class RedisIndex:
                 out[path] = entry
         return out
 
-    def invalidate_changed(
-        self, name: str, generation: int, current: Mapping[str, str]
-    ) -> list[str]:
-        """Drop entries whose recorded ETag differs from ``current`` (path -> etag).
-
-        Claims stay with their owners (see ``_DROP_CHANGED``). Returns the
-        paths dropped. Stores are told the new ETags, so a store
-        evicts only values of the old version, never one it fetched after.
-        """
-        ekey = keys.entries_key(self.ns, name, generation)
-        items = list(current.items())
-        changed: list[str] = []
-        with self.errors():
-            for i in range(0, len(items), _CHUNK):
-                argv = [x for pair in items[i : i + _CHUNK] for x in pair]
-                changed += self._drop_changed(keys=[ekey], args=argv)
-        if changed:
-            pipe = self.client.pipeline(transaction=True)
-            pipe.publish(
-                keys.invalidation_channel(self.ns),
-                json.dumps(
-                    {
-                        "dataset": name,
-                        "generation": generation,
-                        "paths": changed,
-                        "etags": {p: current[p] for p in changed},
-                    }
-                ),
-            )
-            self._event(
-                pipe,
-                "changed",
-                name,
-                generation=generation,
-                count=len(changed),
-                example=changed[0],
-            )
-            with self.errors():
-                pipe.execute()
-        return changed
-
-    def claim_owners(
-        self, name: str, generation: int, paths: list[str], me: str
-    ) -> list[str]:
-        """Claim every unowned path for ``me``; return each path's owner."""
-        with self.errors():
-            return list(
-                self._claim(
-                    keys=[keys.owners_key(self.ns, name, generation)], args=[me, *paths]
-                )
-            )
-
-    def take_over(
-        self, name: str, generation: int, paths: Sequence[str], expected: str, me: str
-    ) -> list[str]:
-        """Move ownership of ``paths`` from a dead ``expected`` owner (or none) to
-        ``me``, in one round trip per chunk; returns each path's owner after."""
-        owners: list[str] = []
-        with self.errors():
-            for i in range(0, len(paths), _CHUNK):
-                owners += self._cas(
-                    keys=[keys.owners_key(self.ns, name, generation)],
-                    args=[expected, me, *paths[i : i + _CHUNK]],
-                )
-        return [str(o) for o in owners]
-
-    def release(self, name: str, generation: int, paths: list[str], me: str) -> int:
-        """Forget entries and claims ``me`` holds (eviction, failed fetch)."""
-        if not paths:
-            return 0
-        with self.errors():
-            return int(
-                self._release(
-                    keys=[
-                        keys.owners_key(self.ns, name, generation),
-                        keys.entries_key(self.ns, name, generation),
-                    ],
-                    args=[me, *paths],
-                )
-            )
-
-    def release_predecessors(self, node_id: str, me: str) -> int:
-        """Forget every entry an earlier store on ``node_id`` held: it died with
-        its cache, so the index must stop pointing at it. Compare-and-set per
-        path, so an entry a live store re-claimed meanwhile stays. Returns how
-        many entries were dropped."""
-        dropped = 0
-        for name in self.datasets():
-            generation = self.generation(name)
-            if generation <= 0:
-                continue
-            by_owner: dict[str, list[str]] = {}
-            with self.errors():
-                owners = self.client.hscan_iter(
-                    keys.owners_key(self.ns, name, generation), count=1000
-                )
-                for path, owner in owners:
-                    if owner.split("/", 1)[0] == node_id and owner != me:
-                        by_owner.setdefault(owner, []).append(path)
-            for owner, paths in by_owner.items():
-                for i in range(0, len(paths), _CHUNK):
-                    dropped += self.release(
-                        name, generation, paths[i : i + _CHUNK], owner
-                    )
-        return dropped
-
-    def record_entries(
-        self, name: str, generation: int, entries: Mapping[str, dict[str, Any]]
-    ) -> None:
-        if not entries:
-            return
-        with self.errors():
-            self.client.hset(
-                keys.entries_key(self.ns, name, generation),
-                mapping={p: json.dumps(e) for p, e in entries.items()},
-            )
-
-    def owners(self, name: str, generation: int) -> dict[str, str]:
-        with self.errors():
-            return dict(self.client.hgetall(keys.owners_key(self.ns, name, generation)))
-
-    # -- stats, stores, events ------------------------------------------------
-    def flush_stats(
-        self,
-        per_key: Mapping[tuple[str, int], Mapping[str, int]],
-        node_id: str,
-        now: float | None = None,
-    ) -> None:
-        """Add counters, keyed by ``(dataset, generation)``, in one round trip."""
-        bucket = int((now or time.time()) // SERIES_BUCKET_S * SERIES_BUCKET_S)
-        pipe = self.client.pipeline(transaction=False)
-        for (ds, generation), counts in per_key.items():
-            targets = (
-                keys.stats_key(self.ns, ds),
-                keys.stats_node_key(self.ns, ds, node_id),
-                keys.stats_generation_key(self.ns, ds, generation),
-                keys.stats_series_key(self.ns, ds, bucket),
-            )
-            for key in targets:
-                for name, amount in counts.items():
-                    if amount:
-                        pipe.hincrby(key, name, amount)
-            pipe.expire(keys.stats_series_key(self.ns, ds, bucket), SERIES_TTL_S)
-        with self.errors():
-            pipe.execute()
-
+    # -- stats, ranks, stores, events (read) ------------------------------------
     def generation_stats(self, name: str, generation: int) -> HitStats:
         """Counters of one generation: what a version bump cost."""
         with self.errors():
@@ -650,10 +400,6 @@ class RedisIndex:
                 out[k] = json.loads(v)
         return out
 
-    def heartbeat(self, node_id: str, info: Mapping[str, Any]) -> None:
-        with self.errors():
-            self.client.hset(keys.stores_key(self.ns), node_id, json.dumps(dict(info)))
-
     def stores(self) -> dict[str, dict[str, Any]]:
         with self.errors():
             raw = self.client.hgetall(keys.stores_key(self.ns))
@@ -663,12 +409,6 @@ class RedisIndex:
                 out[k] = json.loads(v)
         return out
 
-    def push_event(self, kind: str, dataset: str, **detail: Any) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        self._event(pipe, kind, dataset, **detail)
-        with self.errors():
-            pipe.execute()
-
     def events(self, limit: int = 50) -> list[dict[str, Any]]:
         with self.errors():
             raw = self.client.lrange(keys.events_key(self.ns), 0, limit - 1)
@@ -677,8 +417,3 @@ class RedisIndex:
             with contextlib.suppress(ValueError):
                 out.append(json.loads(v))
         return out
-
-    def _event(self, pipe: Any, kind: str, dataset: str, **detail: Any) -> None:
-        event = {"ts": time.time(), "kind": kind, "dataset": dataset, **detail}
-        pipe.lpush(keys.events_key(self.ns), json.dumps(event))
-        pipe.ltrim(keys.events_key(self.ns), 0, EVENTS_KEPT - 1)

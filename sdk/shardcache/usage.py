@@ -2,7 +2,7 @@
 
 A store only sees the requests that reach it. A warm batch is served from
 views the rank already holds and never reaches a store, so store-side
-counters (``RedisIndex.flush_stats``, the ``stats:*`` keys) cannot say what
+counters (``ClusterIndex.flush_stats``, the ``stats:*`` keys) cannot say what
 the training job got. The headline figures (hit rate, GETs saved, hit rate
 over time per dataset and per job) come from here instead; the stores'
 counters stay what they are, *store traffic*, and are shown as such. The two
@@ -67,6 +67,7 @@ from shardcache.errors import ConfigError, IndexUnavailable
 from shardcache.index import SERIES_BUCKET_S, SERIES_TTL_S, map_redis_errors
 
 __all__ = [
+    "APPLY_SCRIPT",
     "FLUSH_INTERVAL_S",
 
     "ORIGINS",
@@ -86,7 +87,8 @@ RANKS_SHOWN = 512  # most recent ranks listed per dataset
 _FIELDS = {o: (f"samples_{o}", f"bytes_{o}") for o in ORIGINS}
 _WAIT_EPOCH = "wait_us:e"  # per-epoch blocked time lives in the rank hash only
 
-# One call applies every pending batch of one reporter, atomically.
+# One call applies every pending batch of one reporter, atomically. Public:
+# the cache endpoint runs the same script for pods that reach Redis through it.
 # KEYS[1] reporter seq key, KEYS[2] dataset totals, KEYS[3] job totals,
 # KEYS[4] rank hash, KEYS[5] jobs zset, KEYS[6] ranks zset,
 # KEYS[7..] dataset bucket, job bucket, dataset bucket, job bucket, ...
@@ -94,7 +96,7 @@ _WAIT_EPOCH = "wait_us:e"  # per-epoch blocked time lives in the rank hash only
 #   [[key index, counters]], epoch?}]}; counters are {field: "integer"}.
 # A batch whose seq is not above the stored one was applied already (its
 # reply was lost) and is skipped. Returns how many batches were applied.
-_APPLY = """
+APPLY_SCRIPT = """
 local doc = cjson.decode(ARGV[1])
 local done = tonumber(redis.call('GET', KEYS[1]) or '0')
 local applied = 0
@@ -449,7 +451,7 @@ class UsageReporter:
             with map_redis_errors(self._url):
                 if self._client is None:
                     self._client = self._factory()
-                    self._script = self._client.register_script(_APPLY)
+                    self._script = self._client.register_script(APPLY_SCRIPT)
                 self._client.hset(
                     keys.usage_rank_key(self.ns, self.dataset, self._member),
                     field,
@@ -487,7 +489,7 @@ class UsageReporter:
         with map_redis_errors(self._url):
             if self._client is None:
                 self._client = self._factory()
-                self._script = self._client.register_script(_APPLY)
+                self._script = self._client.register_script(APPLY_SCRIPT)
             bucket_keys: list[str] = []
             index: dict[int, int] = {}
             docs = []

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.checksum import seal
-from shardcache.chunks import SOURCED, Chunk, build_chunk
+from shardcache.chunks import SOURCED, Chunk
 from shardcache.errors import (
     CorruptObjectError,
     RemoteFetchError,
@@ -29,6 +29,7 @@ from shardcache.errors import (
 )
 from shardcache.manifest import Manifest
 from shardcache.packed_manifest import PackedManifest
+from shardcache_server.columns import build_chunk
 from shardcache_server.fetch import Fetcher
 from shardcache_server.packed_build import build_unit
 from shardcache_server.preprocess import run_preprocess

@@ -9,7 +9,13 @@ from shardcache.errors import ShardUnavailable
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.store import ray_namespace, start_shard, store_name
 
-__all__ = ["alive_nodes", "ensure_stores", "kill_stores", "store_for_node"]
+__all__ = [
+    "alive_nodes",
+    "ensure_stores",
+    "ensure_stores_for",
+    "kill_stores",
+    "store_for_node",
+]
 
 STORE_START_TIMEOUT_S = 120.0  # a fresh worker process on a loaded 2-core node
 RESTART_POLL_S = 0.5  # how often to re-ping a store that Ray is restarting
@@ -47,6 +53,17 @@ def ensure_stores(settings: ServiceSettings, *, wait: bool = True) -> dict[str, 
         except ray.exceptions.RayError as exc:
             raise _not_started(exc) from exc
     return handles
+
+
+def ensure_stores_for(redis_url: str, namespace: str) -> dict[str, Any]:
+    """:func:`ensure_stores` for a rank's ``redis_url`` and ``namespace``, the
+    rest of the settings from ``SHARDCACHE_*``: the sdk's start hook
+    (``shardcache.starters``), which passes no cluster-side types.
+
+    Raises:
+        ShardUnavailable: a store did not come up in time.
+    """
+    return ensure_stores(ServiceSettings(redis_url=redis_url, namespace=namespace))
 
 
 def _not_started(exc: BaseException) -> ShardUnavailable:

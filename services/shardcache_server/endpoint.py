@@ -53,7 +53,7 @@ from shardcache.endpoint import (
 )
 from shardcache.errors import ConfigError, ShardCacheError
 from shardcache.index import RedisIndex
-from shardcache.usage import _APPLY as USAGE_SCRIPT
+from shardcache.usage import APPLY_SCRIPT
 from shardcache_server.settings import ServiceSettings
 
 __all__ = ["Endpoint", "EndpointSettings", "ShmFiles", "main", "serve_unix"]
@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SHM_DIR = "/var/lib/shardcache/shm"  # the chart's medium: Memory emptyDir
 DEFAULT_SHM_BYTES = 4 * 2**30  # chunk files kept for the node's ranks
-_USAGE_SHA = hashlib.sha1(USAGE_SCRIPT.encode()).hexdigest()
+_USAGE_SHA = hashlib.sha1(APPLY_SCRIPT.encode()).hexdigest()
 
 Files = list[tuple[Path, bool]]  # (chunk file, unlink once handed over)
 
@@ -283,6 +283,16 @@ class Endpoint:
             return _ok(getattr(self.index, op)(**args)), []
         if op == "usage_apply":
             return _ok(self._usage_apply(m)), []
+        if op == "usage_hset":  # a rank stamps its usage hash "ended"
+            self._check_usage_keys([m["key"]])
+            if m.get("field") != "ended":
+                raise ConfigError(
+                    f"the endpoint sets only the 'ended' field of a rank's usage "
+                    f"hash, not {m.get('field')!r}."
+                )
+            with self.index.errors():
+                hset = self.index.client.hset
+                return _ok(hset(m["key"], "ended", str(m["value"]))), []
         if op == "usage_hgetall":
             self._check_usage_keys([m["key"]])
             with self.index.errors():
@@ -340,7 +350,7 @@ class Endpoint:
         self._check_usage_keys(keys)
         with self.index.errors():
             if self._usage_script is None:
-                self._usage_script = self.index.client.register_script(USAGE_SCRIPT)
+                self._usage_script = self.index.client.register_script(APPLY_SCRIPT)
             return self._usage_script(keys=keys, args=list(m["args"]))
 
 

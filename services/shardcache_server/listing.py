@@ -32,7 +32,7 @@ import numpy as np
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
 from shardcache.manifest import Manifest
 from shardcache.packed_manifest import PackedManifest
-from shardcache.source import list_source
+from shardcache_server.objects import list_source
 from shardcache_server.packed_listing import list_packed
 from shardcache_server.spans import HeldSpans, SpanKeeper
 

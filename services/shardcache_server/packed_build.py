@@ -18,11 +18,12 @@ from typing import Any
 import numpy as np
 
 from shardcache.checksum import seal
-from shardcache.chunks import ERRORS, FAILED, build_chunk
+from shardcache.chunks import ERRORS, FAILED
 from shardcache.decoders import as_arrays
 from shardcache.errors import ShardCacheError
 from shardcache.packed_manifest import PackedManifest
 from shardcache.source import open_remote
+from shardcache_server.columns import build_chunk
 from shardcache_server.formats import SourceFile, UnitRequest, get_format
 from shardcache_server.packed_listing import DATASET_FORMAT
 from shardcache_server.preprocess import run_preprocess

@@ -15,8 +15,9 @@ from typing import Any
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
 from shardcache.errors import EmptyDatasetError
 from shardcache.packed_manifest import FileUnits, PackedManifest
-from shardcache.source import list_source, open_remote
+from shardcache.source import open_remote
 from shardcache_server.formats import SourceFile, get_format
+from shardcache_server.objects import list_source
 from shardcache_server.spans import SpanKeeper
 
 __all__ = ["DATASET_FORMAT", "list_packed"]

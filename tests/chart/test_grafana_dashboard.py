@@ -13,9 +13,9 @@ import pytest
 import redis as redis_py
 from starlette.testclient import TestClient
 
-from shardcache.index import RedisIndex
 from shardcache.usage import UsageReporter
 from shardcache_server.dashboard import create_app
+from shardcache_server.index import ClusterIndex
 from shardcache_server.metrics import METRICS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def _exported_metrics(redis_url: str) -> set[str]:
     from prometheus_client.parser import text_string_to_metric_families
 
     ns = f"t{uuid.uuid4().hex[:8]}"
-    index = RedisIndex.from_url(redis_url, ns)
+    index = ClusterIndex.from_url(redis_url, ns)
     index.register("images", "s3://b/images/", "fp", 10, 1000)
     index.flush_stats({("images", 1): {"hits": 1, "misses": 1}}, "node-a")
     index.heartbeat("node-a", {"used_bytes": 10, "budget_bytes": 100, "ts": 0})

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from shardcache.chunk_file import read_chunk_file, write_chunk_file
-from shardcache.chunks import Chunk, build_chunk
+from shardcache.chunks import Chunk
 from shardcache.errors import ChunkFileError
+from shardcache_server.columns import build_chunk
 
 
 def test_chunk_file_round_trips_a_ragged_dict_chunk_zero_copy(tmp_path):

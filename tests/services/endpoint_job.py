@@ -20,6 +20,11 @@ def _expected(url: str, changed: bool) -> bytes:
     return bytes([200 if changed else i]) * (64 + i)
 
 
+def _server_imported() -> bool:
+    """Whether the cluster side was loaded: a pod reads through the sdk alone."""
+    return any(m.split(".")[0] == "shardcache_server" for m in sys.modules)
+
+
 def _mapping_of(ptr: int) -> tuple[str, str]:
     """(permissions, path) of the mapping of this process that holds ``ptr``."""
     for line in Path("/proc/self/maps").read_text().splitlines():
@@ -66,6 +71,7 @@ def _rank(rank: int, cfg: dict) -> None:
         seed=3,
     )
     result = {"ray_imported": "ray" in sys.modules, "epochs": []}
+    result["server_imported"] = _server_imported()
     for epoch in (0, 1):
         result["epochs"].append(_epoch(ds, epoch, None))
     dist.barrier()
@@ -80,6 +86,7 @@ def _rank(rank: int, cfg: dict) -> None:
     stats = ds.stats()
     result["stats"] = {k: stats[k] for k in ("hits", "misses", "served", "cluster")}
     result["ray_imported"] = result["ray_imported"] or "ray" in sys.modules
+    result["server_imported"] = result["server_imported"] or _server_imported()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -126,7 +133,15 @@ def main() -> None:
     try:
         ds = _one_rank(cfg, allow_remote=mode == "remote")
     except Exception as exc:  # reported to the test, which checks the type
-        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+        print(
+            json.dumps(
+                {
+                    "error": type(exc).__name__,
+                    "message": str(exc),
+                    "server_imported": _server_imported(),
+                }
+            )
+        )
         return
     ds.set_epoch(0)
     bad = 0
@@ -142,6 +157,7 @@ def main() -> None:
                 "read": len(ds),
                 "served": stats["served"],
                 "ray_imported": "ray" in sys.modules,
+                "server_imported": _server_imported(),
                 "env_ray": os.path.exists("/tmp/ray"),
             }
         )

@@ -7,8 +7,8 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from shardcache.index import RedisIndex
 from shardcache_server.cli import app
+from shardcache_server.index import ClusterIndex
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def test_cli_warm_stats_ls_invalidate_roundtrip(
     assert "20 objects, 20 fetched" in res.output and s3.total_gets == 20
     again = runner.invoke(app, warm)
     assert "20 already cached" in again.output and s3.total_gets == 20
-    owners = RedisIndex.from_url(redis_url, namespace).owners("warmed", 1)
+    owners = ClusterIndex.from_url(redis_url, namespace).owners("warmed", 1)
     assert (
         len({o.split("/")[0] for o in owners.values()}) == 2
     )  # spread over both nodes

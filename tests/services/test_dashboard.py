@@ -18,6 +18,7 @@ from shardcache.decoders import raw_bytes
 from shardcache.index import RedisIndex
 from shardcache.usage import UsageReader, UsageReporter
 from shardcache_server.dashboard import create_app
+from shardcache_server.index import ClusterIndex
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.store import CacheShard
 
@@ -210,7 +211,7 @@ def two_ranks_three_epochs(redis_url):
     source, epochs 2-3 from views the ranks hold. The stores saw epoch 1 only,
     as happens when warm batches never reach a store."""
     ns = f"t{uuid.uuid4().hex[:8]}"
-    index = RedisIndex.from_url(redis_url, ns)
+    index = ClusterIndex.from_url(redis_url, ns)  # flush_stats: as a store would
     index.register("images", "s3://b/images/", "fp", OBJECTS, OBJECTS * OBJECT_BYTES)
     index.flush_stats(
         {("images", 1): {"misses": OBJECTS, "remote_reads": OBJECTS}}, "node-a"

@@ -275,7 +275,7 @@ def test_endpoint_ranks_outside_ray_read_mapped_shards_through_the_socket(
     assert s3.total_gets == OBJECTS + 1
     assert max(s3.gets.values()) == 2
     for res in ranks_out:
-        assert not res["ray_imported"]
+        assert not res["ray_imported"] and not res["server_imported"]
         assert res["refreshed"] == [changed]
         for epoch in res["epochs"]:
             assert epoch["bad"] == 0
@@ -307,7 +307,7 @@ def test_endpoint_rank_without_the_mount_gets_endpoint_unavailable(worker, s3, b
                      own_net=True, env=env))  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["error"] == "EndpointUnavailable"
+    assert result["error"] == "EndpointUnavailable" and not result["server_imported"]
     assert "node-b" in result["message"] and "/mnt/endpoint.sock" in result["message"]
 
 
@@ -338,7 +338,13 @@ def test_endpoint_allow_remote_streams_from_another_nodes_worker_over_flight_tls
         done = _run(remote)
         assert done.returncode == 0, done.stderr[-3000:]
         result = json.loads(done.stdout.strip().splitlines()[-1])
-        assert result == {**result, "bad": 0, "read": OBJECTS, "ray_imported": False}
+        assert result == {
+            **result,
+            "bad": 0,
+            "read": OBJECTS,
+            "ray_imported": False,
+            "server_imported": False,
+        }
         assert not result["env_ray"]  # no Ray session directory in this pod
         served = result["served"]
         # fetched by the remote worker, then served from its store: peer hits

@@ -16,6 +16,7 @@ from shardcache.embedded import free_port, start_redis_server
 from shardcache.errors import IndexUnavailable
 from shardcache.index import RedisIndex
 from shardcache_server.cluster import store_for_node
+from shardcache_server.index import ClusterIndex
 
 from helpers import Reader, cached_samples, register_dataset
 
@@ -167,7 +168,7 @@ def test_store_killed_for_good_mid_epoch_ranks_keep_reading(
     )
     loader = DataLoader(ds, batch_size=4, sampler=ds.sampler, collate_fn=list)
     node = ray.get_runtime_context().get_node_id()
-    index = RedisIndex.from_url(redis_url, namespace)
+    index = ClusterIndex.from_url(redis_url, namespace)
 
     def epoch(n, kill_after=None):
         ds.set_epoch(n)

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shardcache.errors import BackendError
-from shardcache.index import RedisIndex
+from shardcache_server.index import ClusterIndex
 
 __all__ = ["IndexRecords"]
 
@@ -33,11 +33,11 @@ class IndexRecords:
         self.node_id = node_id
         self.me = me
         # Set when the store starts (on its event loop); None before.
-        self.index: RedisIndex | None = None
+        self.index: ClusterIndex | None = None
         self.dirty = False  # what the index says may lag what the table holds
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="index-writes")
 
-    def write(self, write: Callable[[RedisIndex], Any]) -> None:
+    def write(self, write: Callable[[ClusterIndex], Any]) -> None:
         """Run ``write`` in the pool; a failure marks the index dirty."""
         if self.index is None:
             return

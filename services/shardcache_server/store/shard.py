@@ -23,8 +23,8 @@ from typing import Any
 
 from shardcache import keys
 from shardcache.errors import StaleVersionError
-from shardcache.index import RedisIndex
 from shardcache_server.eviction import SamplerOrder, make_policy
+from shardcache_server.index import ClusterIndex
 from shardcache_server.listing import Lister, list_in_thread
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.spans import SPAN_BUDGET_SHARE
@@ -146,7 +146,7 @@ class CacheShard:
         if self._loop is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._records.index = RedisIndex.from_url(
+        self._records.index = ClusterIndex.from_url(
             self.settings.redis_url, self.settings.namespace
         )
         # A new incarnation means the previous one (if any) lost its cache.

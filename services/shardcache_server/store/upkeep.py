@@ -19,7 +19,7 @@ from typing import Any
 
 from shardcache import keys
 from shardcache.errors import BackendError
-from shardcache.index import RedisIndex
+from shardcache_server.index import ClusterIndex
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.store.datasets import Dataset
 from shardcache_server.store.manifests import Manifests
@@ -178,7 +178,7 @@ class Upkeep:
         channel = keys.invalidation_channel(self.settings.namespace)
         while not self._stop.is_set():
             try:
-                index = RedisIndex.from_url(
+                index = ClusterIndex.from_url(
                     self.settings.redis_url, self.settings.namespace
                 )
                 pubsub = index.client.pubsub(ignore_subscribe_messages=True)

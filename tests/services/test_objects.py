@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from shardcache.errors import ConfigError, EmptyDatasetError, SourceNotFound
-from shardcache.source import list_source
+from shardcache_server.objects import list_source
 
 
 def test_list_source_prefix_is_sorted_with_sizes_and_etags(s3, s3fs_client, bucket):

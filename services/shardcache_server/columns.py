@@ -1,0 +1,118 @@
+"""Lay preprocessed samples out as a chunk's columns (the store side of the format).
+
+The column layout itself (names, ragged ``data/offsets/shapes``, the failed
+mask and error JSON) is documented in :mod:`shardcache.chunks`, beside the
+:class:`~shardcache.chunks.Chunk` reader ranks use; only stores build chunks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from shardcache.chunks import ERRORS, FAILED, PLAIN_FIELD, TARGET
+from shardcache.errors import PreprocessError
+
+__all__ = ["build_chunk"]
+
+Value = Any  # np.ndarray | dict[str, np.ndarray]
+
+
+def _fields(value: Value) -> dict[str, np.ndarray]:
+    if isinstance(value, dict):
+        return value
+    return {PLAIN_FIELD: value}
+
+
+def build_chunk(
+    samples: Sequence[Value | None],
+    errors: dict[int, tuple[str, str]] | None = None,
+    names: Sequence[str] | None = None,
+    targets: Sequence[Any] | None = None,
+) -> dict[str, np.ndarray]:
+    """Lay preprocessed samples out as columns; ``None`` marks a failed member.
+
+    Raises:
+        PreprocessError: the samples disagree on their fields, dtypes or number
+            of dimensions (the message names two members that differ).
+
+    >>> cols = build_chunk([np.zeros(2), np.ones(2)])
+    >>> cols["_"].shape
+    (2, 2)
+    >>> sorted(build_chunk([np.zeros(2), np.ones(3)]))
+    ['_/data', '_/offsets', '_/shapes', '__errors__', '__failed__']
+    """
+    n = len(samples)
+    names = names or [f"#{i}" for i in range(n)]
+    ok = [i for i, s in enumerate(samples) if s is not None]
+    cols: dict[str, np.ndarray] = {}
+    failed = np.array([s is None for s in samples], dtype=bool)
+    if ok:
+        first = _fields(samples[ok[0]])
+        for i in ok:
+            fields = _fields(samples[i])
+            if fields.keys() != first.keys():
+                raise PreprocessError(
+                    f"preprocess returned fields {sorted(fields)} for {names[i]!r} "
+                    f"but {sorted(first)} for {names[ok[0]]!r}; every sample of a "
+                    "dataset must have the same fields."
+                )
+        for field, ref in first.items():
+            arrays = [_fields(samples[i])[field] for i in ok]
+            cols.update(_field_columns(field, arrays, ok, n, ref, names))
+    cols[FAILED] = failed
+    if targets is not None:
+        labels = np.asarray(targets)
+        if labels.dtype.hasobject or labels.dtype.kind in "US":
+            raise PreprocessError(
+                f"target returned {type(targets[0]).__name__} for {names[0]!r}; it must "
+                "return a number or a numeric array (the label, e.g. a class index)."
+            )
+        cols[TARGET] = labels
+    cols[ERRORS] = np.frombuffer(
+        json.dumps({str(k): list(v) for k, v in (errors or {}).items()}).encode(),
+        dtype=np.uint8,
+    ).copy()
+    return cols
+
+
+def _field_columns(
+    field: str,
+    arrays: list[np.ndarray],
+    rows: list[int],
+    n: int,
+    ref: np.ndarray,
+    names: Sequence[str],
+) -> dict[str, np.ndarray]:
+    for a, row in zip(arrays, rows, strict=True):
+        if a.dtype != ref.dtype or a.ndim != ref.ndim:
+            where = "" if field == PLAIN_FIELD else f" field {field!r}"
+            raise PreprocessError(
+                f"preprocess returned{where} {a.dtype}{list(a.shape)} for "
+                f"{names[row]!r} but {ref.dtype}{list(ref.shape)} for {names[rows[0]]!r}; "
+                "samples must share dtype and number of dimensions (cast in preprocess)."
+            )
+    if all(a.shape == ref.shape for a in arrays):
+        # One copy per sample straight into its row (np.stack would copy twice);
+        # rows of failed members are zeroed, the others written once.
+        out = np.empty((n, *ref.shape), dtype=ref.dtype)
+        for a, row in zip(arrays, rows, strict=True):
+            out[row] = a
+        if len(rows) < n:
+            out[np.setdiff1d(np.arange(n), rows)] = 0
+        return {field: out}
+    shapes = np.zeros((n, ref.ndim), dtype=np.int64)
+    lengths = np.zeros(n, dtype=np.int64)
+    for a, row in zip(arrays, rows, strict=True):
+        shapes[row] = a.shape
+        lengths[row] = a.size
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    data = np.concatenate([a.reshape(-1) for a in arrays]).astype(ref.dtype, copy=False)
+    return {
+        f"{field}/data": data,
+        f"{field}/offsets": offsets,
+        f"{field}/shapes": shapes,
+    }
