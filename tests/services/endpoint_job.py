@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 
 def _expected(url: str, changed: bool) -> bytes:
     i = int(url.rsplit("/", 1)[1].split(".")[0])
@@ -45,10 +47,22 @@ def _epoch(ds, epoch: int, changed_url: str | None) -> dict:
             url = ds.manifest.url(i)
             if bytes(t.numpy()) != _expected(url, url == changed_url):
                 bad += 1
-            perms, path = _mapping_of(t.untyped_storage().data_ptr())
-            # read-only shared mapping of a chunk file the endpoint handed over
+            # The chunk the rank holds is a read-only shared mapping of a
+            # chunk file the endpoint handed over; the sample it received is
+            # a copy of its own (never a view a write could go through).
+            reader = ds._reader
+            c = int(reader.layout.chunk_of(np.array([i]))[0])
+            chunk = reader._held.get(c) or reader._transient.get(c)
+            perms, path = "", ""
+            if chunk is not None:  # SHARDCACHE_HOLD_BYTES=0 keeps none
+                view = chunk.field("_", i - int(reader.layout.starts[c]))
+                perms, path = _mapping_of(view.ctypes.data)
+            own_perms, own_path = _mapping_of(t.untyped_storage().data_ptr())
             mapped += int(
-                perms.startswith("r-") and perms.endswith("s") and ".chunk" in path
+                perms.startswith("r-")
+                and perms.endswith("s")
+                and ".chunk" in path
+                and ".chunk" not in own_path
             )
             seen.append(i)
     return {"bad": bad, "seen": seen, "mapped": mapped}
