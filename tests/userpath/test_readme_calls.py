@@ -53,8 +53,8 @@ if __name__ == "__main__":
     sd = ds.state_dict()
     ds.load_state_dict(sd)
     ds.load_state_dict(ds.gather_state_dict())
-    got["warm"] = ds.warm(steps=1, batch_size=64)
     ds.set_epoch(2)  # the state loaded above was at the end of an epoch
+    got["warm"] = ds.warm(steps=1, batch_size=64)
     stateful = StatefulDataLoader(ds, sampler=ds.sampler, num_workers=2,
                                   multiprocessing_context="spawn")
     got["stateful"] = sum(len(b) for b in stateful)
