@@ -28,6 +28,10 @@ import pytest
 
 from shardcache.embedded import free_port
 
+# Scripts the tests start as a user would; never imported by pytest (the
+# suite runs with --doctest-modules, which imports every module it finds).
+collect_ignore_glob = ["trainer_scripts/*"]
+
 SCRIPT_TIMEOUT_S = 240  # a script's whole run, Ray head start included
 TEST_TIMEOUT_S = 600  # a test runs a few scripts, each starting Ray
 
