@@ -294,6 +294,10 @@ class Listings:
             # ranks read the very same listing.
             fut, began = running
             ref, digest = await asyncio.shield(fut)
+            answered = self.published(name, token) if token else None
+            if answered is not None:  # this token's own listing (another rank)
+                ref, digest = answered
+                return ref, digest, self._held[name][digest][1]
             if began >= arrived or not token or token.startswith(MAX_AGE_TOKEN):
                 self._remember(name, token, time.time(), digest)
                 return ref, digest, self._held[name][digest][1]

@@ -136,6 +136,9 @@ def _construct(url, storage_options, redis_url, namespace, rank):
         rank=rank,
         world_size=4,
         chunk_samples=8,
+        # Four ranks of one job: plain Ray tasks have no launcher to agree
+        # on a job id through (Ray Train and torchrun do), so it is named.
+        job="one-job",
     )
     return ds.digest, len(ds.sampler)
 

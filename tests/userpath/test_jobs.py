@@ -228,7 +228,8 @@ else:
 
 def _lines(done):
     assert done.returncode == 0, done.stderr[-4000:]
-    return [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    # Two ranks print at once: a line may hold both ranks' objects.
+    return [json.loads(x) for x in re.findall(r"\{[^{}\n]*\}", done.stdout)]
 
 
 def test_a_resume_across_jobs_survives_revalidation_and_names_what_changed(

@@ -70,6 +70,17 @@ def _follow(proc: subprocess.Popen[str], until: int) -> tuple[str, int]:
     return job, delivered
 
 
+def _follow_for(proc: subprocess.Popen[str], seconds: float, delivered: int) -> int:
+    """Keep reading the script's lines for ``seconds``; the last count seen."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + seconds
+    for line in proc.stdout:
+        delivered = json.loads(line).get("delivered", delivered)
+        if time.monotonic() > deadline:
+            break
+    return delivered
+
+
 def test_a_rank_that_raises_reports_what_it_delivered(user):
     root = user.workdir / "data"
     _data(root)
@@ -101,10 +112,14 @@ def test_sigterm_reports_everything_and_sigkill_loses_at_most_one_second(user):
 
     proc = _start(user, script, root, "run")
     job, delivered = _follow(proc, 160)
+    delivered = _follow_for(proc, 2.5, delivered)  # a few flushes go out
     proc.kill()
     proc.wait(timeout=60)
+    rest = [json.loads(x) for x in proc.stdout.read().splitlines() if x]
+    delivered = max([delivered] + [x.get("delivered", 0) for x in rest])
     time.sleep(3.5)  # the rank's silence outlasts three flush intervals
     reported = _reader(user.home).job_totals("reports", job).samples
+    assert reported > 0
     # Batches come every ~50 ms: one flush interval (1 s) is ~20 of them.
     assert delivered - 20 * 16 <= reported <= delivered
     [rank] = [r for r in _reader(user.home).ranks("reports") if r.job == job]
