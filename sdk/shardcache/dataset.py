@@ -1010,32 +1010,20 @@ class DistributedCachedDataset(Dataset[Any]):
             ConfigError: the state belongs to another dataset, seed or mode, or
                 one rank's state is given for another world size.
         """
-        self._check_listing_of(state)
-        consumed = apply_state(self._sampler, state, self.digest, nodes)
+        consumed = apply_state(
+            self._sampler, state, self.digest, nodes, explain=self._listing_change
+        )
         self._consumed = consumed
         self._cursor = consumed
 
-    def _check_listing_of(self, state: Any) -> None:
-        """A state saved on another listing (objects changed since the saving
-        job) cannot place its samples: say which objects changed.
-
-        Raises:
-            ConfigError: the listing differs; names the changed objects.
-        """
-        states = [state] if isinstance(state, dict) else list(state)
-        saved = states[0].get("manifest") if states else None
-        if saved is None or saved == self.digest:
-            return
+    def _listing_change(self, saved: str) -> str:
+        """What changed since listing ``saved`` (a resume across jobs after
+        objects changed): the objects by name, not a digest."""
         try:
             old = self._map_manifest(self._client.manifest_of(self.name, saved))
-            what = describe_changes(old, self.manifest)
         except StaleVersionError:
-            what = "the listing it was saved on is no longer held by the cluster"
-        raise ConfigError(
-            f"state_dict was saved on another listing of {_source_summary(self.urls)!r} ({what}); "
-            "its positions would not match today's shards. Start the epoch over "
-            "(skip load_state_dict), or restore those objects and resume."
-        )
+            return "the listing it was saved on is no longer held by the cluster"
+        return f"{_source_summary(self.urls)}: {describe_changes(old, self.manifest)}"
 
     def warm(
         self, steps: int, batch_size: int, *, progress: bool = True

@@ -28,7 +28,7 @@ an int32 per sample, freed after) and Python loops per chunk, never per sample.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -492,6 +492,7 @@ def apply_state(
     state: Mapping[str, Any] | Sequence[Mapping[str, Any]],
     digest: str,
     nodes: Sequence[str] | None = None,
+    explain: Callable[[str], str] | None = None,
 ) -> int:
     """Point ``sampler`` (a ShardSampler) at the rest of the saved epoch; returns
     the samples this rank already consumed of its (new) order.
@@ -500,7 +501,8 @@ def apply_state(
     rank's, or a merged one. A merged state of the same world on the same
     nodes (or unknown nodes) continues each rank's own order; otherwise the
     rest is re-dealt (:func:`plan_resume`) over ``nodes``, gathered over the
-    process group when not given.
+    process group when not given. ``explain(saved_digest)`` says what
+    changed between the saved listing and this one (the error names it).
 
     Raises:
         ConfigError: another seed, mode or listing; one rank's state for
@@ -528,10 +530,13 @@ def apply_state(
             f"state_dict has shuffle_block={state.get('block') or 0!r} but this "
             f"dataset has {mine.get('block') or 0!r}; resume with the same settings."
         )
-    if state.get("manifest") != digest:
+    saved = state.get("manifest")
+    if saved != digest:
+        what = explain(str(saved)) if explain is not None else "the objects changed"
         raise ConfigError(
-            "state_dict was saved for a different listing of the source; "
-            "the objects changed, so the shards would not match."
+            f"state_dict was saved on another listing of the source ({what}); "
+            "its positions would not match today's shards. Start the epoch over "
+            "(skip load_state_dict), or restore those objects and resume."
         )
     epoch = int(state["epoch"])
     if merged is not None:
