@@ -449,16 +449,20 @@ class UsageReporter:
     def _hset(self, field: str) -> None:
         try:
             with map_redis_errors(self._url):
-                if self._client is None:
-                    self._client = self._factory()
-                    self._script = self._client.register_script(APPLY_SCRIPT)
-                self._client.hset(
+                self._connect().hset(
                     keys.usage_rank_key(self.ns, self.dataset, self._member),
                     field,
                     repr(self._clock()),
                 )
         except IndexUnavailable as exc:
             self.last_error = str(exc)
+
+    def _connect(self) -> redis.Redis:
+        """The Redis client, made on first use (never on the training path)."""
+        if self._client is None:
+            self._client = self._factory()
+            self._script = self._client.register_script(APPLY_SCRIPT)
+        return self._client
 
     def _cut(self) -> None:
         """Move the current counts into a new pending batch (caller holds _flush_lock)."""
@@ -487,9 +491,7 @@ class UsageReporter:
 
     def _send(self, batches: Sequence[_Batch]) -> None:
         with map_redis_errors(self._url):
-            if self._client is None:
-                self._client = self._factory()
-                self._script = self._client.register_script(APPLY_SCRIPT)
+            self._connect()
             bucket_keys: list[str] = []
             index: dict[int, int] = {}
             docs = []
