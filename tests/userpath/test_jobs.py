@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shardcache.dataset import default_name
 from shardcache.embedded import free_port
 
 OBJECTS = 240
@@ -137,10 +138,7 @@ def test_a_new_job_reads_changed_objects_and_reports_without_close(
     assert first[0]["job"] == first[1]["job"] and first[0]["job"] != "none"
 
     redis_url = _redis_url(user.home)
-    name_of = json.loads(
-        user.python("-c", "from shardcache.dataset import default_name; import sys, json;"
-                    f"print(json.dumps(default_name({url!r})))").stdout
-    )  # fmt: skip
+    name_of = default_name(url)
     metrics = _metrics(user, redis_url)
     assert _metric(metrics, "shardcache_hit_rate", dataset=name_of) == (
         sum(r["hits"] for r in first) / (OBJECTS * 3)
@@ -179,10 +177,7 @@ def test_dataloader_workers_report_every_sample_without_close(
     done = user.python(str(script), url, json.dumps(options))
     assert done.returncode == 0, done.stderr[-4000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"delivered": 300}
-    name = json.loads(
-        user.python("-c", "from shardcache.dataset import default_name; import json;"
-                    f"print(json.dumps(default_name({url!r})))").stdout
-    )  # fmt: skip
+    name = default_name(url)
     time.sleep(1.0)  # one flush interval after the script's exit
     metrics = _metrics(user, _redis_url(user.home))
     total = sum(

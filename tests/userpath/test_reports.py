@@ -81,6 +81,13 @@ def _follow_for(proc: subprocess.Popen[str], seconds: float, delivered: int) -> 
     return delivered
 
 
+def _drain(proc: subprocess.Popen[str], delivered: int) -> int:
+    """The last count the ended script printed (its buffered lines)."""
+    assert proc.stdout is not None
+    rest = [json.loads(x) for x in proc.stdout.read().splitlines() if x]
+    return max([delivered] + [x.get("delivered", 0) for x in rest])
+
+
 def test_a_rank_that_raises_reports_what_it_delivered(user):
     root = user.workdir / "data"
     _data(root)
@@ -106,8 +113,7 @@ def test_sigterm_reports_everything_and_sigkill_loses_at_most_one_second(user):
     # It exited (Ray's driver, or shardcache when no one else does, turns
     # SIGTERM into SystemExit) rather than died of the signal (rc < 0).
     assert proc.wait(timeout=60) in (signal.SIGTERM, 128 + signal.SIGTERM)
-    last = [json.loads(x) for x in proc.stdout.read().splitlines() if x]
-    delivered = max([delivered] + [x.get("delivered", 0) for x in last])
+    delivered = _drain(proc, delivered)
     assert _reader(user.home).job_totals("reports", job).samples == delivered
 
     proc = _start(user, script, root, "run")
@@ -115,8 +121,7 @@ def test_sigterm_reports_everything_and_sigkill_loses_at_most_one_second(user):
     delivered = _follow_for(proc, 2.5, delivered)  # a few flushes go out
     proc.kill()
     proc.wait(timeout=60)
-    rest = [json.loads(x) for x in proc.stdout.read().splitlines() if x]
-    delivered = max([delivered] + [x.get("delivered", 0) for x in rest])
+    delivered = _drain(proc, delivered)
     time.sleep(3.5)  # the rank's silence outlasts three flush intervals
     reported = _reader(user.home).job_totals("reports", job).samples
     assert reported > 0
