@@ -35,5 +35,6 @@ from shardcache.embedded import find_redis_server
 print("redis-server:", find_redis_server())  # a setup error here, never a silent skip
 PY
 .venv/bin/ruff check sdk services tests scripts bench
-# -rs: every skipped test says why.
-exec .venv/bin/python -m pytest -rs --doctest-modules sdk services tests "$@"
+# -rs: every skipped test says why; --durations: the slowest tests, to keep
+# the suite inside its time budget.
+exec .venv/bin/python -m pytest -rs --durations=30 --doctest-modules sdk services tests "$@"
