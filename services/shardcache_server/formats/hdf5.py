@@ -272,9 +272,7 @@ class Hdf5Format(SourceFormat):
         # are never read twice (another's, if its chunk rows differ, are
         # read again where a unit boundary cuts one).
         chunked = [e for e in entries if e["layout"] == "chunked"]
-        align = (
-            max(chunked, key=lambda e: _row_bytes(e))["chunks"][0] if chunked else 1
-        )
+        align = max(chunked, key=lambda e: _row_bytes(e))["chunks"][0] if chunked else 1
         bounds, samples, nbytes = cut_rows(
             rows, row_bytes, chunk_samples, chunk_bytes, align=align
         )
@@ -297,7 +295,9 @@ class Hdf5Format(SourceFormat):
             )
             picked.append(chunks)
         wanted = [
-            r for e, c in zip(entries, picked, strict=True) for r in _ranges(e, c, lo, hi)
+            r
+            for e, c in zip(entries, picked, strict=True)
+            for r in _ranges(e, c, lo, hi)
         ]
         got = unit.file.read(wanted)  # one GET per run of touching ranges
         slabs = {}
