@@ -111,7 +111,12 @@ CASES: list[tuple[str, str, str, Any]] = [
     # (label, format, URL suffix, writer)
     ("HDF5 contiguous", "hdf5", "f.h5", lambda n, w: _hdf5(n, w, "contiguous")),
     ("HDF5 chunk per row", "hdf5", "f.h5", lambda n, w: _hdf5(n, w, "chunk per row")),
-    ("HDF5 gzip+shuffle chunks", "hdf5", "f.h5", lambda n, w: _hdf5(n, w, "gzip+shuffle")),
+    (
+        "HDF5 gzip+shuffle chunks",
+        "hdf5",
+        "f.h5",
+        lambda n, w: _hdf5(n, w, "gzip+shuffle"),
+    ),
     ("Parquet (2 files, row groups 300 and 1024)", "parquet", "", _parquet),
     ("tar (4 shards)", "tar", "", _tar),
     (".npy", "npy", "rows.npy", _npy),
