@@ -29,6 +29,7 @@ _THROTTLE_SIGNS = ("SlowDown", "reduce your request rate", "503")  # as s3fs mat
 _SINGLE_GET_MAX_BYTES = 32 * 2**20  # larger objects use s3fs's concurrent ranged GETs
 _RANGES_IN_FLIGHT = 8  # ranged GETs of one unit at once (a unit asks for a few)
 _S3_PROTOCOLS = ("s3", "s3a")
+_CLIENT_MODULES = ("botocore", "aiobotocore", "aiohttp")  # errors s3fs may pass on
 
 
 class Fetcher:
@@ -318,6 +319,12 @@ def read_ranges(
         ) from exc
     except OSError as exc:
         raise RemoteFetchError(f"reading {url!r} failed: {exc}") from exc
+    except Exception as exc:  # botocore/aiohttp errors that s3fs did not map
+        if type(exc).__module__.split(".")[0] not in _CLIENT_MODULES:
+            raise
+        raise RemoteFetchError(
+            f"reading {url!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
     out: dict[tuple[int, int], bytes] = {r: b"" for r in ranges if r[1] <= r[0]}
     for (lo, hi), data in zip(merged, parts, strict=True):
         if isinstance(data, BaseException):

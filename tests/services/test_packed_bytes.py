@@ -195,6 +195,17 @@ def test_parquet_row_groups_are_never_split_below_chunk_bytes(s3, s3fs_client, b
     split = list_packed(_spec(url, "parquet", 100, options, chunk_bytes=1000), None)
     starts = split.layout.starts.tolist()
     assert len(starts) - 1 > 4 and {300, 600, 900} <= set(starts)
+    # A unit of several groups reads only the chosen columns' chunks, which
+    # do not touch (another column's chunks lie between them).
+    some = list_packed(
+        _spec(url, "parquet", 700, options, format_options={"columns": ["id", "text"]}),
+        None,
+    )
+    s3.reset_counts()
+    rows = _build_all(some, options)
+    assert [int(r["id"]) for r in rows] == list(range(1024))
+    assert bytes(rows[5]["text"]) == b"row-5" and "x" not in rows[0]
+    assert s3.total_get_bytes == some.total_bytes
     assert [int(s["id"]) for s in _build_all(split, options)] == list(range(1024))
 
 

@@ -217,7 +217,12 @@ class ParquetFormat(SourceFormat):
             row += n
         pieces = unit.file.read(_column_ranges(meta, groups, columns))
         try:
-            reader = pq.ParquetFile(_RangesFile(pieces, unit.file.size), metadata=meta)
+            # pre_buffer=False: pyarrow reads each column chunk on its own
+            # (pre-buffering coalesces them across the columns not chosen,
+            # whose bytes were never fetched).
+            reader = pq.ParquetFile(
+                _RangesFile(pieces, unit.file.size), metadata=meta, pre_buffer=False
+            )
             table = reader.read_row_groups(groups, columns=columns)
         except (pa.ArrowException, OSError) as exc:
             raise SourceFormatError(
