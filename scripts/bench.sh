@@ -6,6 +6,9 @@
 # --quick writes to a temp dir; --systems picks systems (bench/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# `scripts/bench.sh formats [--write]`: bytes each packed format reads from S3
+# per file byte (bench/formats.py); needs nothing the comparison installs.
+if [ "${1:-}" = "formats" ]; then shift; exec .venv/bin/python bench/formats.py "$@"; fi
 bash scripts/bootstrap.sh
 # torch stays pinned so no competitor pulls another build. PyPI's torchvision
 # fails against the CPU torch 2.13.0 here, so LitData goes in without its

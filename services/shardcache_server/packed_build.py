@@ -1,7 +1,9 @@
 """Build one chunk of a packed dataset: read its unit, preprocess, lay out columns.
 
-The unit is read with the format's ranged reads (one GET for a tar span or
-a .npy slab, a row group's column chunks for Parquet). When the user kept
+The unit is read with the format's ranged reads, sized from what the
+listing kept (a tar span or a .npy slab, Parquet column chunks, HDF5 rows or
+chunks), at the listed version: a file rewritten since fails the unit with
+StaleVersionError, never a chunk of two versions. When the user kept
 the default preprocess and the format has rows of arrays (.npy, HDF5,
 numeric Parquet), the unit's slab *is* the chunk's column: no Python per
 sample. A unit that cannot be read fails every row with the format's error,

@@ -6,6 +6,14 @@ what it must: a Parquet footer, an HDF5 header, a .npy header, a tar's
 member headers) and, at build time, reads the samples of one unit with
 ranged reads through fsspec. Both run on the cluster side, in store tasks:
 no rank and no DataLoader worker ever opens a source file.
+
+Every format (a registered one too) reads a unit with :meth:`SourceFile.read`:
+the unit's byte ranges, sized from the file's own layout (what the listing
+kept), one GET each, at the listed version. Never through a read-ahead or
+block cache (s3fs's default ``readahead`` cache fetches whole blocks, so
+neighbouring units read the same bytes again). A format that cannot be read
+in ranges (LMDB is a memory-mapped file) says so in its docstring and
+downloads the file once per node.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.packed_manifest import FileUnits
+from shardcache_server.fetch import read_ranges
 
 __all__ = ["SourceFile", "SourceFormat", "UnitRequest", "cut_rows"]
 
@@ -33,6 +42,18 @@ class SourceFile:
     # At listing time, where a format that reads whole units (tar) hands
     # each unit's bytes: ``keep(lo, hi, data) -> kept`` (spans.py); else None.
     keep: Callable[[int, int, bytes], bool] | None = None
+
+    def read(self, ranges: list[tuple[int, int]]) -> dict[tuple[int, int], bytes]:
+        """The bytes of each ``[lo, hi)``, read at the listed version with one
+        GET per run of touching ranges.
+
+        Raises:
+            StaleVersionError: the file was rewritten since it was listed.
+            SourceNotFound, RemoteFetchError: it is gone, or the store failed.
+        """
+        return read_ranges(
+            self.fs, self.path, ranges, url=self.url, etag=self.etag, size=self.size
+        )
 
 
 @dataclass(frozen=True)
@@ -87,15 +108,32 @@ class SourceFormat:
 
 
 def cut_rows(
-    rows: int, row_bytes: float, chunk_samples: int, chunk_bytes: int, start: int = 0
+    rows: int,
+    row_bytes: float,
+    chunk_samples: int,
+    chunk_bytes: int,
+    start: int = 0,
+    align: int = 1,
 ) -> tuple[list[tuple[int, int]], list[int], list[int]]:
     """Cut ``rows`` rows starting at ``start`` into units of at most
     ``chunk_samples`` rows and about ``chunk_bytes`` bytes.
 
+    ``align``: units hold whole multiples of ``align`` rows (the file's own
+    storage blocks, e.g. HDF5 chunks), so no block is read by two units; a
+    block of more than ``chunk_samples`` rows is one unit when it fits in
+    ``chunk_bytes``, else it is split (and read once per piece).
+
     >>> cut_rows(10, 8, chunk_samples=4, chunk_bytes=10**6)
     ([(0, 4), (4, 8), (8, 10)], [4, 4, 2], [32, 32, 16])
+    >>> cut_rows(10, 8, chunk_samples=4, chunk_bytes=10**6, align=3)[0]
+    [(0, 3), (3, 6), (6, 9), (9, 10)]
     """
     per_unit = max(1, min(chunk_samples, int(chunk_bytes // max(row_bytes, 1)) or 1))
+    if align > 1:
+        if per_unit >= align:
+            per_unit -= per_unit % align
+        elif align * row_bytes <= chunk_bytes:
+            per_unit = align
     bounds, samples, nbytes = [], [], []
     for lo in range(start, start + rows, per_unit):
         hi = min(lo + per_unit, start + rows)

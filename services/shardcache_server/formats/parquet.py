@@ -1,9 +1,12 @@
-"""Parquet files: one sample per row, a unit per row group (split when large).
+"""Parquet files: one sample per row, a unit per run of whole row groups.
 
 The listing reads each file's footer once (its length, then exactly the
 footer: two small ranged reads) and keeps it in the manifest, so a build
-reads only its row group's column chunks, with one ranged read, and never
-the footer again: each byte of a file is read at most once.
+reads only its row groups' chosen column chunks (the byte ranges the
+footer gives, touching ones in one GET) and never the footer again. A row
+group is the smallest piece a build can read, so a unit never splits one
+unless it is larger than ``chunk_bytes`` (then each piece reads the whole
+group: write smaller row groups to avoid it). Each byte is read at most once.
 """
 
 from __future__ import annotations
@@ -75,13 +78,13 @@ def _columns(options: dict[str, Any], schema: pa.Schema, url: str) -> list[str]:
     return list(wanted)
 
 
-def _byte_span(
+def _column_ranges(
     meta: pq.FileMetaData, groups: list[int], columns: list[str]
-) -> tuple[int, int]:
-    """The one byte range holding the chosen columns of ``groups``: a build
-    reads it with a single ranged GET (pyarrow over a Python file object
-    would issue one read per column chunk)."""
-    lo, hi = None, 0
+) -> list[tuple[int, int]]:
+    """The byte range of each chosen column chunk of ``groups``: a build reads
+    these, touching ones with one GET (pyarrow over a Python file object
+    would issue one read per page or column chunk), and nothing between."""
+    out = []
     for g in groups:
         group = meta.row_group(g)
         for c in range(group.num_columns):
@@ -91,17 +94,27 @@ def _byte_span(
             start = chunk.data_page_offset
             if chunk.has_dictionary_page and chunk.dictionary_page_offset:
                 start = min(start, chunk.dictionary_page_offset)
-            lo = start if lo is None else min(lo, start)
-            hi = max(hi, start + chunk.total_compressed_size)
-    return (lo or 0), hi
+            out.append((start, start + chunk.total_compressed_size))
+    return out
 
 
-class _SpanFile(io.RawIOBase):
-    """A read-only file of ``size`` bytes of which only ``data`` at ``start``
-    is present; pyarrow reads nothing else when given the footer."""
+class _RangesFile(io.RawIOBase):
+    """A read-only file of ``size`` bytes of which only the ``pieces``
+    (``{(lo, hi): bytes}``) are present; pyarrow reads nothing else when
+    given the footer."""
 
-    def __init__(self, start: int, data: bytes, size: int):
-        self._start, self._data, self._size, self._pos = start, data, size, 0
+    def __init__(self, pieces: dict[tuple[int, int], bytes], size: int):
+        # Touching pieces are joined: pyarrow reads neighbouring column
+        # chunks with one read.
+        runs: list[list[Any]] = []  # [lo, hi, parts]
+        for (lo, hi), data in sorted(pieces.items()):
+            if runs and runs[-1][1] == lo:
+                runs[-1][1] = hi
+                runs[-1][2].append(data)
+            else:
+                runs.append([lo, hi, [data]])
+        self._pieces = [((lo, hi), b"".join(parts)) for lo, hi, parts in runs]
+        self._size, self._pos = size, 0
 
     def readable(self) -> bool:
         return True
@@ -118,20 +131,60 @@ class _SpanFile(io.RawIOBase):
         return self._pos
 
     def readinto(self, buffer: Any) -> int:
-        at = self._pos - self._start
+        want = min(len(buffer), self._size - self._pos)
+        if want <= 0:
+            return 0
+        for (lo, hi), data in self._pieces:
+            if lo <= self._pos and self._pos + want <= hi:
+                at = self._pos - lo
+                buffer[:want] = data[at : at + want]
+                self._pos += want
+                return want
+        raise OSError(
+            f"read of {want} bytes at {self._pos} outside the fetched column "
+            "chunks (a footer that does not match the file: it changed since "
+            "the listing)"
+        )
+
+
+def _units(
+    meta: pq.FileMetaData, columns: list[str], chunk_samples: int, chunk_bytes: int
+) -> tuple[list[tuple[int, int]], list[int], list[int]]:
+    """Units of whole row groups: consecutive groups join while the unit
+    stays within ``chunk_samples`` rows and ``chunk_bytes`` bytes, and a
+    group of more rows is one unit while it fits in ``chunk_bytes``, so no
+    group is read twice. Only a group larger than ``chunk_bytes`` is cut
+    into row ranges, each of which reads the whole group (Parquet pages
+    are not addressable without a page index)."""
+    bounds: list[tuple[int, int]] = []
+    samples: list[int] = []
+    nbytes: list[int] = []
+    is_open = False  # whether the last unit may take the next group
+    row = 0
+    for g in range(meta.num_row_groups):
+        rows = meta.row_group(g).num_rows
+        size = sum(hi - lo for lo, hi in _column_ranges(meta, [g], columns))
         if (
-            at < 0
-            or at + len(buffer) > len(self._data)
-            and self._pos + len(buffer) <= self._size
+            is_open
+            and samples[-1] + rows <= chunk_samples
+            and nbytes[-1] + size <= chunk_bytes
         ):
-            raise OSError(
-                f"read at {self._pos} outside the fetched span (a footer that does "
-                "not match the file: it changed since the listing)"
-            )
-        chunk = self._data[at : at + len(buffer)]
-        buffer[: len(chunk)] = chunk
-        self._pos += len(chunk)
-        return len(chunk)
+            bounds[-1] = (bounds[-1][0], row + rows)
+            samples[-1] += rows
+            nbytes[-1] += size
+        elif rows <= chunk_samples or size <= chunk_bytes:
+            bounds.append((row, row + rows))
+            samples.append(rows)
+            nbytes.append(size)
+            is_open = True
+        else:
+            cut = cut_rows(rows, size / max(rows, 1), chunk_samples, chunk_bytes, row)
+            bounds += cut[0]
+            samples += cut[1]
+            nbytes += cut[2]
+            is_open = False
+        row += rows
+    return bounds, samples, nbytes
 
 
 class ParquetFormat(SourceFormat):
@@ -147,20 +200,9 @@ class ParquetFormat(SourceFormat):
     ) -> tuple[FileUnits, bytes]:
         footer = _read_footer(file)
         meta = _metadata(footer, file.url)
-        _columns(options, meta.schema.to_arrow_schema(), file.url)
-        units = FileUnits(file.url, file.etag, file.size)
-        row = 0
-        for g in range(meta.num_row_groups):
-            group = meta.row_group(g)
-            rows = group.num_rows
-            row_bytes = group.total_byte_size / max(rows, 1)
-            bounds, samples, nbytes = cut_rows(
-                rows, row_bytes, chunk_samples, chunk_bytes, row
-            )
-            units.bounds += bounds
-            units.samples += samples
-            units.nbytes += nbytes
-            row += rows
+        columns = _columns(options, meta.schema.to_arrow_schema(), file.url)
+        bounds, samples, nbytes = _units(meta, columns, chunk_samples, chunk_bytes)
+        units = FileUnits(file.url, file.etag, file.size, bounds, samples, nbytes)
         return units, footer
 
     def _table(self, unit: UnitRequest) -> pa.Table:
@@ -173,10 +215,14 @@ class ParquetFormat(SourceFormat):
                 groups.append(g)
                 first = row if first is None else first
             row += n
-        lo, hi = _byte_span(meta, groups, columns)
-        data = unit.file.fs.cat_file(unit.file.path, start=lo, end=hi)
+        pieces = unit.file.read(_column_ranges(meta, groups, columns))
         try:
-            reader = pq.ParquetFile(_SpanFile(lo, data, unit.file.size), metadata=meta)
+            # pre_buffer=False: pyarrow reads each column chunk on its own
+            # (pre-buffering coalesces them across the columns not chosen,
+            # whose bytes were never fetched).
+            reader = pq.ParquetFile(
+                _RangesFile(pieces, unit.file.size), metadata=meta, pre_buffer=False
+            )
             table = reader.read_row_groups(groups, columns=columns)
         except (pa.ArrowException, OSError) as exc:
             raise SourceFormatError(

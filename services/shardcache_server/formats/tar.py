@@ -184,7 +184,7 @@ class TarFormat(SourceFormat):
 
     def read_samples(self, unit: UnitRequest) -> list[tuple[str, Any]]:
         span = (
-            unit.file.fs.cat_file(unit.file.path, start=unit.lo, end=unit.hi)
+            unit.file.read([(unit.lo, unit.hi)])[(unit.lo, unit.hi)]
             if unit.data is None
             else unit.data
         )

@@ -1,0 +1,246 @@
+"""Bytes each packed format reads from S3, counted at the emulator: the listing
+and every unit's build together read at most 1.05x the file (each byte
+once, plus the few metadata bytes the build never needs again), at the
+default chunk size and at ``chunk_samples=512``, with every sample equal to
+what the format's own library reads. A file rewritten after the listing is
+never read as a mix of two versions: its units fail with StaleVersionError.
+Keys hold spaces, unicode and ``%``."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+import tempfile
+
+import numpy as np
+import pytest
+from packed_files import hdf5_bytes, lmdb_dir, parquet_bytes, tar_bytes
+
+from shardcache.chunks import Chunk
+from shardcache.decoders import as_arrays
+from shardcache.errors import StaleVersionError
+from shardcache_server.packed_build import build_unit
+from shardcache_server.packed_listing import list_packed
+from shardcache_server.spans import SpanKeeper
+
+ROWS = 2048
+ODD = "data set/ünï %41 key"  # a space, unicode and a literal %41 in the key
+MAX_RATIO = 1.05
+
+
+def _spec(url, fmt, chunk_samples, options, **extra):
+    spec = {"name": "t", "urls": url, "format": fmt, "protocol": "s3"}
+    if chunk_samples:
+        spec["chunk_samples"] = chunk_samples
+    return {**spec, "storage_options": options, **extra}
+
+
+def _build_all(manifest, options, spans=None):
+    """Every sample, unit by unit; a unit whose bytes the listing kept (tar,
+    by unit version, as a store holds them) is built from them."""
+    out = []
+    items = manifest.chunk_items(range(len(manifest.layout)))
+    for c, (_, version, _) in enumerate(items):
+        span = (spans or {}).pop(version, None)
+        columns, report = build_unit(manifest, c, as_arrays, None, options, span=span)
+        assert report["errors"] == {}, next(iter(report["errors"].values()))
+        chunk = Chunk(columns)
+        out += [chunk.sample(r) for r in range(len(chunk))]
+    return out
+
+
+def _hdf5_reference(data):
+    import h5py
+
+    with h5py.File(io.BytesIO(data), "r") as h5:
+        return h5["x"][()], h5["y"][()]
+
+
+def _files(fmt, tmp_path):
+    """``{key suffix: bytes}``, the URL to list, and a check of the samples
+    against the format's own reader."""
+    if fmt.startswith("hdf5-"):
+        data = hdf5_bytes(ROWS, fmt.split("-", 1)[1])
+        x, y = _hdf5_reference(data)
+
+        def check(samples):
+            assert np.array_equal(np.stack([s["x"] for s in samples]), x)
+            assert [int(s["y"]) for s in samples] == y.tolist()
+
+        return {"f.h5": data}, "f.h5", "hdf5", check
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        # Several row groups, one of them larger than 512 rows.
+        files = {
+            "p0.parquet": parquet_bytes(1024, row_group=300),
+            "p1.parquet": parquet_bytes(1024, row_group=1024, start=1024),
+        }
+        table = pa.concat_tables(
+            pq.read_table(pa.BufferReader(files[k])) for k in sorted(files)
+        ).to_pydict()
+
+        def check(samples):
+            assert [int(s["id"]) for s in samples] == table["id"]
+            assert [float(s["x"]) for s in samples] == table["x"]
+            assert [bytes(s["text"]).decode() for s in samples] == table["text"]
+
+        return files, "", "parquet", check
+    if fmt == "tar":
+        files = {
+            f"s{k}.tar": tar_bytes(ROWS // 4, start=k * ROWS // 4) for k in range(4)
+        }
+        members = {}
+        for k in sorted(files):
+            with tarfile.open(fileobj=io.BytesIO(files[k])) as tar:
+                for m in tar.getmembers():
+                    members[m.name] = tar.extractfile(m).read()
+
+        def check(samples):
+            for i, s in enumerate(samples):
+                assert bytes(s["bin"]) == members[f"train/{i:06d}.bin"]
+                assert bytes(s["cls"]) == members[f"train/{i:06d}.cls"]
+
+        return files, "", "tar", check
+    if fmt == "npy":
+        rows = np.arange(ROWS * 24, dtype=np.float32).reshape(ROWS, 24)
+        out = io.BytesIO()
+        np.save(out, rows)
+        return (
+            {"rows.npy": out.getvalue()},
+            "rows.npy",
+            "npy",
+            lambda samples: np.testing.assert_array_equal(np.stack(samples), rows),
+        )
+    assert fmt == "lmdb"
+    import lmdb
+
+    path = lmdb_dir(tmp_path / "db.lmdb", ROWS)
+    env = lmdb.open(str(path), readonly=True, lock=False)
+    with env.begin() as txn:
+        values = [v for _, v in txn.cursor()]
+    env.close()
+
+    def check(samples):
+        assert [bytes(s) for s in samples] == values
+
+    return (
+        {"db.lmdb/data.mdb": (path / "data.mdb").read_bytes()},
+        "db.lmdb",
+        "lmdb",
+        check,
+    )
+
+
+FORMATS = [
+    "hdf5-contiguous",
+    "hdf5-rows",
+    "hdf5-gzip",
+    "hdf5-tiles",
+    "parquet",
+    "tar",
+    "npy",
+    "lmdb",
+]
+
+
+@pytest.mark.parametrize("chunk_samples", [None, 512], ids=["default", "512"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_s3_format_reads_each_byte_once(
+    fmt, chunk_samples, s3, s3fs_client, bucket, tmp_path, monkeypatch
+):
+    # LMDB's per-node copy goes to this test's own temporary directory.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    files, target, name, check = _files(fmt, tmp_path)
+    s3fs_client.pipe({f"{bucket}/{ODD}/{k}": v for k, v in files.items()})
+    options = s3.storage_options()
+    s3.reset_counts()
+    # What a store gives its listing: room for the units a listing reads
+    # whole (tar; spans.py), here all of them.
+    spans: dict[str, np.ndarray] = {}
+    keeper = SpanKeeper(sum(map(len, files.values())), spans.__setitem__, {})
+    manifest = list_packed(
+        _spec(f"s3://{bucket}/{ODD}/{target}", name, chunk_samples, options),
+        None,
+        keeper,
+    )
+    samples = _build_all(manifest, options, spans)
+    assert len(samples) == ROWS
+    check(samples)
+    file_bytes = sum(len(v) for v in files.values())
+    ratio = s3.total_get_bytes / file_bytes
+    assert ratio <= MAX_RATIO, (ratio, s3.total_gets, len(manifest.layout))
+    if chunk_samples == 512 and name != "parquet":
+        # Units are as asked (Parquet's are whole row groups instead).
+        assert len(manifest.layout) >= ROWS // 512
+
+
+def test_parquet_row_groups_are_never_split_below_chunk_bytes(s3, s3fs_client, bucket):
+    s3fs_client.pipe({f"{bucket}/{ODD}/p.parquet": parquet_bytes(1024, row_group=300)})
+    options = s3.storage_options()
+    url = f"s3://{bucket}/{ODD}/p.parquet"
+    joined = list_packed(_spec(url, "parquet", 700, options), None)
+    # 300 + 300 join (600 <= 700); 300 + 124 join; nothing splits a group.
+    assert [tuple(b) for b in joined.columns["unit_bounds"]] == [(0, 600), (600, 1024)]
+    small = list_packed(_spec(url, "parquet", 100, options), None)
+    assert [tuple(b) for b in small.columns["unit_bounds"]] == [
+        (0, 300),
+        (300, 600),
+        (600, 900),
+        (900, 1024),
+    ]
+    # A group larger than chunk_bytes is split (each piece reads the group).
+    split = list_packed(_spec(url, "parquet", 100, options, chunk_bytes=1000), None)
+    starts = split.layout.starts.tolist()
+    assert len(starts) - 1 > 4 and {300, 600, 900} <= set(starts)
+    # A unit of several groups reads only the chosen columns' chunks, which
+    # do not touch (another column's chunks lie between them).
+    some = list_packed(
+        _spec(url, "parquet", 700, options, format_options={"columns": ["id", "text"]}),
+        None,
+    )
+    s3.reset_counts()
+    rows = _build_all(some, options)
+    assert [int(r["id"]) for r in rows] == list(range(1024))
+    assert bytes(rows[5]["text"]) == b"row-5" and "x" not in rows[0]
+    assert s3.total_get_bytes == some.total_bytes
+    assert [int(s["id"]) for s in _build_all(split, options)] == list(range(1024))
+
+
+@pytest.mark.parametrize("fmt", ["hdf5-gzip", "parquet", "npy", "tar"])
+def test_s3_file_rewritten_after_listing_fails_its_units_stale(
+    fmt, s3, s3fs_client, bucket, tmp_path
+):
+    files, target, name, _ = _files(fmt, tmp_path)
+    s3fs_client.pipe({f"{bucket}/{ODD}/{k}": v for k, v in files.items()})
+    options = s3.storage_options()
+    manifest = list_packed(
+        _spec(f"s3://{bucket}/{ODD}/{target}", name, 512, options), None
+    )
+    first = sorted(files)[0]
+    data = files[first]
+    # Same length, other bytes: only the version tells the two apart.
+    s3fs_client.pipe({f"{bucket}/{ODD}/{first}": data[:-1] + bytes([data[-1] ^ 1])})
+    _, report = build_unit(manifest, 0, as_arrays, None, options)
+    kinds = {kind for kind, _ in report["errors"].values()}
+    assert kinds == {"StaleVersionError"}, report["errors"]["0"]
+    assert "refresh()" in report["errors"]["0"][1]
+
+
+def test_local_file_rewritten_after_listing_raises_stale(tmp_path):
+    from shardcache.source import open_remote
+    from shardcache_server.formats import SourceFile
+
+    path = tmp_path / "rows.npy"
+    np.save(path, np.zeros((10, 2), np.float32))
+    manifest = list_packed(
+        {"name": "t", "urls": str(path), "format": "npy", "protocol": "file"}, None
+    )
+    url, etag, size = manifest.file(0)
+    np.save(path, np.ones((10, 2), np.float32))  # same size
+    os.utime(path, ns=(10**9, 10**9))  # a new mtime even within one clock tick
+    fs, local = open_remote(url)
+    with pytest.raises(StaleVersionError, match="rows.npy.*refresh"):
+        SourceFile(fs, local, url, etag, size).read([(0, 16)])
