@@ -24,8 +24,7 @@ from pathlib import Path
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import numpy as np  # noqa: E402
-
-from ranks import blob  # noqa: E402
+from samples import blob  # noqa: E402
 
 
 def _write(root: Path, samples: int, sample_bytes: int) -> None:

@@ -10,7 +10,7 @@ bench/run.py, and shares the rest of the harness (`ranks.measure_epochs`):
 
 Mosaic keeps its per-node state in machine-wide shared memory (one
 `/dev/shm` per node), so two emulated nodes on one machine would collide;
-bench/run.py starts each node in a mount namespace of its own with a private
+bench/launch.py starts each node in a mount namespace of its own with a private
 `/dev/shm` (`unshare -m`), which is what two real machines have.
 """
 
@@ -30,8 +30,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from memory import tree_anon  # noqa: E402
+from samples import PREPROCESS  # noqa: E402
 
-from ranks import PREPROCESS, _init_group, measure_epochs  # noqa: E402
+from ranks import _init_group, measure_epochs  # noqa: E402
 
 # Mosaic hands out read-only views of its shards, as the SDK does of Ray's
 # object store; the samples are only read here.

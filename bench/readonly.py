@@ -26,8 +26,7 @@ from pathlib import Path
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 from loader import _write  # noqa: E402
-
-from ranks import blob  # noqa: E402
+from samples import blob  # noqa: E402
 
 
 def _epoch_rate(ds, batches, epochs: int) -> float:

@@ -109,8 +109,7 @@ class ManagerDictDataset(PlainS3Dataset):
 
 def _litdata_item(cfg: dict[str, Any], i: int) -> dict[str, np.ndarray]:
     import fsspec
-
-    from ranks import PREPROCESS
+    from samples import PREPROCESS
 
     fs, _ = fsspec.url_to_fs(cfg["urls"][i], **cfg["storage_options"])
     return {"x": PREPROCESS[cfg["dataset"]](fs.cat_file(cfg["urls"][i]))}

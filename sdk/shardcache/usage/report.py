@@ -1,19 +1,4 @@
-"""What the ranks delivered, counted by the ranks: the figures behind the hit rate.
-
-A store only sees the requests that reach it. A warm batch is served from
-views the rank already holds and never reaches a store, so store-side
-counters (``ClusterIndex.flush_stats``, the ``stats:*`` keys) cannot say what
-the training job got. The headline figures (hit rate, GETs saved, hit rate
-over time per dataset and per job) come from here instead; the stores'
-counters stay what they are, *store traffic*, and are shown as such. The two
-are never added together, so a read that passes through a store is counted
-once in each view and twice in none.
-
-Origins, split as Fluid defines them for Alluxio:
-
-* ``local``: from the rank's own node (views the rank holds, or its node's store)
-* ``peer``: from another node's store
-* ``source``: read from the origin (S3, GCS, ...): one GET
+"""What one rank process counts of the samples it delivered, and how it writes them to Redis.
 
 Contract for the rank (``DistributedCachedDataset``), one reporter per process
 (a forked DataLoader worker gets a fresh one by itself)::
@@ -57,7 +42,7 @@ import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -65,27 +50,21 @@ import redis
 from shardcache import keys
 from shardcache.errors import ConfigError, IndexUnavailable
 from shardcache.index import SERIES_BUCKET_S, SERIES_TTL_S, map_redis_errors
+from shardcache.usage.totals import ORIGIN_FIELDS, ORIGINS, WAIT_EPOCH_FIELD
 
 __all__ = [
     "APPLY_SCRIPT",
     "FLUSH_INTERVAL_S",
-
-    "ORIGINS",
-    "RankUsage",
-    "UsageReader",
+    "HEARTBEAT_S",
+    "MAX_BACKOFF_S",
+    "MAX_PENDING_FLUSHES",
     "UsageReporter",
-    "UsageTotals",
 ]
 
-ORIGINS = ("local", "peer", "source")
 FLUSH_INTERVAL_S = 1.0  # how often the rank's background thread calls flush()
 HEARTBEAT_S = 10.0  # a live process with nothing to flush still says so this often
 MAX_PENDING_FLUSHES = 900  # failed batches kept: 7.5 h at the 30 s backoff
 MAX_BACKOFF_S = 30.0  # retry interval cap while Redis is unreachable
-JOBS_SHOWN = 5  # most recent jobs listed per dataset
-RANKS_SHOWN = 512  # most recent ranks listed per dataset
-_FIELDS = {o: (f"samples_{o}", f"bytes_{o}") for o in ORIGINS}
-_WAIT_EPOCH = "wait_us:e"  # per-epoch blocked time lives in the rank hash only
 
 # One call applies every pending batch of one reporter, atomically. Public:
 # the cache endpoint runs the same script for pods that reach Redis through it.
@@ -129,112 +108,6 @@ redis.call('ZADD', KEYS[5], doc.ts, doc.job)
 redis.call('ZADD', KEYS[6], doc.ts, doc.member)
 return applied
 """
-
-
-@dataclass(frozen=True)
-class UsageTotals:
-    """Samples and bytes the ranks delivered, by origin, plus blocked time.
-
-    >>> t = UsageTotals(samples_local=2000, samples_source=1000)
-    >>> round(t.hit_rate, 3), t.gets_saved
-    (0.667, 2000)
-    """
-
-    samples_local: int = 0
-    samples_peer: int = 0
-    samples_source: int = 0
-    bytes_local: int = 0
-    bytes_peer: int = 0
-    bytes_source: int = 0
-    wait_us: int = 0
-    waits: int = 0
-    lost_samples: int = 0
-    lost_bytes: int = 0
-    skipped: int = 0  # samples replaced because their object could not be built
-
-    @classmethod
-    def from_hash(cls, raw: Mapping[str, str]) -> UsageTotals:
-        return cls(**{f.name: int(raw.get(f.name) or 0) for f in fields(cls)})
-
-    @property
-    def samples(self) -> int:
-        return self.samples_local + self.samples_peer + self.samples_source
-
-    @property
-    def nbytes(self) -> int:
-        return self.bytes_local + self.bytes_peer + self.bytes_source
-
-    @property
-    def source_reads(self) -> int:
-        """Samples read from the origin: one GET each."""
-        return self.samples_source
-
-    @property
-    def gets_saved(self) -> int:
-        """Samples served minus source reads: the GETs the cache spared the source."""
-        return self.samples - self.samples_source
-
-    @property
-    def hit_rate(self) -> float | None:
-        """Share of samples not read from the source; ``None`` before any."""
-        return self.gets_saved / self.samples if self.samples else None
-
-    @property
-    def byte_hit_rate(self) -> float | None:
-        n = self.nbytes
-        return (n - self.bytes_source) / n if n else None
-
-    @property
-    def blocked_s(self) -> float:
-        """Seconds the training loop waited for data."""
-        return self.wait_us / 1e6
-
-    def as_dict(self) -> dict[str, Any]:
-        """The figures every view shows (dashboard, /metrics, CLI, ``ds.stats()``)."""
-        by_samples = {o: getattr(self, f"samples_{o}") for o in ORIGINS}
-        by_bytes = {o: getattr(self, f"bytes_{o}") for o in ORIGINS}
-        return {
-            "samples": self.samples,
-            "bytes": self.nbytes,
-            "samples_by_origin": by_samples,
-            "bytes_by_origin": by_bytes,
-            "sample_ratio": {
-                o: n / self.samples if self.samples else None
-                for o, n in by_samples.items()
-            },
-            "byte_ratio": {
-                o: n / self.nbytes if self.nbytes else None for o, n in by_bytes.items()
-            },
-            "hit_rate": self.hit_rate,
-            "byte_hit_rate": self.byte_hit_rate,
-            "source_reads": self.source_reads,
-            "gets_saved": self.gets_saved,
-            "blocked_s": self.blocked_s,
-            "lost_samples": self.lost_samples,
-            "lost_bytes": self.lost_bytes,
-            "skipped": self.skipped,
-        }
-
-
-@dataclass(frozen=True)
-class RankUsage:
-    """One rank's totals and the time it was blocked in each epoch."""
-
-    job: str
-    rank: str
-    totals: UsageTotals
-    blocked_s_by_epoch: dict[int, float] = field(default_factory=dict)
-    epoch: int | None = None
-    ts: float = 0.0
-    ended: float = 0.0  # when its last process exited after a final flush
-
-    def state(self, now: float, silent_after_s: float) -> str:
-        """``"ended"`` (final report written), ``"running"`` (reported within
-        ``silent_after_s``), or ``"lost"``: it stopped without a final report
-        (SIGKILL, OOM), so up to one flush interval of samples is missing."""
-        if self.ended and self.ended >= self.ts:
-            return "ended"
-        return "running" if now - self.ts <= silent_after_s else "lost"
 
 
 @dataclass
@@ -344,7 +217,7 @@ class UsageReporter:
         Raises:
             ConfigError: ``origin`` is not one of ``ORIGINS``.
         """
-        names = _FIELDS.get(origin)
+        names = ORIGIN_FIELDS.get(origin)
         if names is None:
             raise ConfigError(
                 f"origin must be one of {', '.join(map(repr, ORIGINS))}, got {origin!r}."
@@ -366,7 +239,7 @@ class UsageReporter:
         """Count time the training loop was blocked waiting for a batch."""
         us = max(int(seconds * 1e6 + 0.5), 0)
         bucket = int(self._clock()) // SERIES_BUCKET_S * SERIES_BUCKET_S
-        per_epoch = f"{_WAIT_EPOCH}{epoch}"
+        per_epoch = f"{WAIT_EPOCH_FIELD}{epoch}"
         with self._lock:
             counts = self._buckets.setdefault(bucket, {})
             counts["wait_us"] = counts.get("wait_us", 0) + us
@@ -379,10 +252,12 @@ class UsageReporter:
         """Samples counted here and not yet confirmed written to Redis."""
         with self._lock:
             current = sum(
-                c.get(_FIELDS[o][0], 0) for c in self._buckets.values() for o in ORIGINS
+                c.get(ORIGIN_FIELDS[o][0], 0)
+                for c in self._buckets.values()
+                for o in ORIGINS
             )
         pending = sum(
-            b.totals().get(_FIELDS[o][0], 0)
+            b.totals().get(ORIGIN_FIELDS[o][0], 0)
             for b in list(self._pending)
             for o in ORIGINS
         )
@@ -480,8 +355,8 @@ class UsageReporter:
         """Past the bound, the oldest batch goes; the next batch reports it as lost."""
         while len(self._pending) > self._max_pending:
             dropped = self._pending.popleft().totals()
-            samples = sum(dropped.get(_FIELDS[o][0], 0) for o in ORIGINS)
-            nbytes = sum(dropped.get(_FIELDS[o][1], 0) for o in ORIGINS)
+            samples = sum(dropped.get(ORIGIN_FIELDS[o][0], 0) for o in ORIGINS)
+            nbytes = sum(dropped.get(ORIGIN_FIELDS[o][1], 0) for o in ORIGINS)
             for f, n in (
                 ("lost_samples", samples + dropped.get("lost_samples", 0)),
                 ("lost_bytes", nbytes + dropped.get("lost_bytes", 0)),
@@ -544,131 +419,3 @@ def _strs(counts: Mapping[str, int]) -> dict[str, str]:
     # Integers go to Lua as strings: a Lua number past 1e14 prints as 1e+14,
     # which HINCRBY refuses.
     return {f: str(int(n)) for f, n in counts.items() if n}
-
-
-class UsageReader:
-    """Reads the rank-reported figures; every method is one round trip.
-
-    Args:
-        client: a connected ``redis.Redis`` with ``decode_responses=True``.
-        namespace: the deployment namespace. Defaults to ``"default"``.
-        redis_url: named (redacted) in error messages. Defaults to ``""``.
-    """
-
-    def __init__(
-        self,
-        client: redis.Redis,
-        namespace: str = keys.DEFAULT_NAMESPACE,
-        redis_url: str = "",
-    ):
-        self.client = client
-        self.ns = keys.validate_name("namespace", namespace)
-        self._url = redis_url
-
-    def totals(self, dataset: str) -> UsageTotals:
-        """Everything the ranks reported for ``dataset``.
-
-        Raises:
-            IndexUnavailable: Redis is unreachable.
-        """
-        with map_redis_errors(self._url):
-            return UsageTotals.from_hash(
-                self.client.hgetall(keys.usage_key(self.ns, dataset))
-            )
-
-    def totals_many(self, datasets: Sequence[str]) -> dict[str, UsageTotals]:
-        pipe = self.client.pipeline(transaction=False)
-        for ds in datasets:
-            pipe.hgetall(keys.usage_key(self.ns, ds))
-        with map_redis_errors(self._url):
-            rows = pipe.execute() if datasets else []
-        return {
-            ds: UsageTotals.from_hash(r) for ds, r in zip(datasets, rows, strict=True)
-        }
-
-    def job_totals(self, dataset: str, job: str) -> UsageTotals:
-        """What every process of one job (ranks and their DataLoader workers)
-        reported for ``dataset``.
-
-        Raises:
-            IndexUnavailable: Redis is unreachable.
-        """
-        with map_redis_errors(self._url):
-            return UsageTotals.from_hash(
-                self.client.hgetall(keys.usage_job_key(self.ns, dataset, job))
-            )
-
-    def jobs(self, dataset: str, limit: int = JOBS_SHOWN) -> dict[str, UsageTotals]:
-        """The ``limit`` most recently reporting jobs and their totals, newest first."""
-        with map_redis_errors(self._url):
-            names = self.client.zrevrange(
-                keys.usage_jobs_key(self.ns, dataset), 0, limit - 1
-            )
-            pipe = self.client.pipeline(transaction=False)
-            for job in names:
-                pipe.hgetall(keys.usage_job_key(self.ns, dataset, job))
-            rows = pipe.execute() if names else []
-        return {
-            job: UsageTotals.from_hash(r) for job, r in zip(names, rows, strict=True)
-        }
-
-    def series(
-        self,
-        dataset: str,
-        window_s: int = 3600,
-        *,
-        job: str | None = None,
-        now: float | None = None,
-    ) -> list[tuple[int, UsageTotals]]:
-        """Totals per 10 s bucket over the last ``window_s``, oldest first (one
-        pipeline); of one ``job`` when given."""
-        end = int((time.time() if now is None else now) // SERIES_BUCKET_S)
-        end *= SERIES_BUCKET_S
-        buckets = range(end - window_s + SERIES_BUCKET_S, end + 1, SERIES_BUCKET_S)
-        pipe = self.client.pipeline(transaction=False)
-        for b in buckets:
-            pipe.hgetall(
-                keys.usage_series_key(self.ns, dataset, b)
-                if job is None
-                else keys.usage_job_series_key(self.ns, dataset, job, b)
-            )
-        with map_redis_errors(self._url):
-            rows = pipe.execute()
-        return [
-            (b, UsageTotals.from_hash(r))
-            for b, r in zip(buckets, rows, strict=True)
-            if r
-        ]
-
-    def ranks(self, dataset: str, limit: int = RANKS_SHOWN) -> list[RankUsage]:
-        """The ``limit`` most recently reporting ranks, sorted by job and rank."""
-        with map_redis_errors(self._url):
-            members = self.client.zrevrange(
-                keys.usage_ranks_key(self.ns, dataset), 0, limit - 1
-            )
-            pipe = self.client.pipeline(transaction=False)
-            for m in members:
-                pipe.hgetall(keys.usage_rank_key(self.ns, dataset, m))
-            rows = pipe.execute() if members else []
-        out = []
-        for member, raw in zip(members, rows, strict=True):
-            job, _, rank = member.rpartition("/")
-            per_epoch = {
-                int(f.removeprefix(_WAIT_EPOCH)): int(v) / 1e6
-                for f, v in raw.items()
-                if f.startswith(_WAIT_EPOCH)
-            }
-            out.append(
-                RankUsage(
-                    job=job,
-                    rank=rank,
-                    totals=UsageTotals.from_hash(raw),
-                    blocked_s_by_epoch=dict(sorted(per_epoch.items())),
-                    epoch=int(raw["epoch"]) if raw.get("epoch") else None,
-                    ts=float(raw.get("ts") or 0),
-                    ended=float(raw.get("ended") or 0),
-                )
-            )
-        return sorted(
-            out, key=lambda r: (r.job, int(r.rank) if r.rank.isdigit() else 0)
-        )

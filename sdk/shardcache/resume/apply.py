@@ -1,0 +1,90 @@
+"""Pointing a sampler at the rest of a saved epoch: check the state, then resume or re-deal."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from shardcache.errors import ConfigError
+from shardcache.resume.state import current_node, gather_nodes, merge_states
+
+__all__ = ["apply_state"]
+
+
+def apply_state(
+    sampler: Any,
+    state: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    digest: str,
+    nodes: Sequence[str] | None = None,
+    explain: Callable[[str], str] | None = None,
+) -> int:
+    """Point ``sampler`` (a ShardSampler) at the rest of the saved epoch; returns
+    the samples this rank already consumed of its (new) order.
+
+    ``state`` is one rank's state (same world and rank), a list of every
+    rank's, or a merged one. A merged state of the same world on the same
+    nodes (or unknown nodes) continues each rank's own order; otherwise the
+    rest is re-dealt (:func:`plan_resume`) over ``nodes``, gathered over the
+    process group when not given. ``explain(saved_digest)`` says what
+    changed between the saved listing and this one (the error names it).
+
+    Raises:
+        ConfigError: another seed, mode or listing; one rank's state for
+            another world; a world change with no way to know the nodes.
+    """
+    merged = None
+    if not isinstance(state, Mapping) or isinstance(state.get("consumed"), list):
+        merged = merge_states([state] if isinstance(state, Mapping) else state)
+        state = merged
+    mine = sampler.state()
+    keys = ("seed", "mode") if merged else ("seed", "rank", "world_size", "mode")
+    for key in keys:
+        if state.get(key) != mine[key]:
+            hint = (
+                " To resume at another world size pass every rank's state."
+                if key in ("rank", "world_size")
+                else ""
+            )
+            raise ConfigError(
+                f"state_dict has {key}={state.get(key)!r} but this dataset has "
+                f"{mine[key]!r}; resume with the same settings.{hint}"
+            )
+    if int(state.get("block") or 0) != int(mine.get("block") or 0):
+        raise ConfigError(
+            f"state_dict has shuffle_block={state.get('block') or 0!r} but this "
+            f"dataset has {mine.get('block') or 0!r}; resume with the same settings."
+        )
+    saved = state.get("manifest")
+    if saved != digest:
+        what = explain(str(saved)) if explain is not None else "the objects changed"
+        raise ConfigError(
+            f"state_dict was saved on another listing of the source ({what}); "
+            "its positions would not match today's shards. Start the epoch over "
+            "(skip load_state_dict), or restore those objects and resume."
+        )
+    epoch = int(state["epoch"])
+    if merged is not None:
+        world = sampler.world_size
+        if nodes is None:
+            nodes = gather_nodes(current_node(), world)
+        if merged["world_size"] != world or (
+            nodes is not None and list(nodes) != merged["nodes"]
+        ):
+            if nodes is None:
+                raise ConfigError(
+                    f"resuming {merged['world_size']} ranks' state at "
+                    f"world_size={world} needs every new rank's node: "
+                    "initialise torch.distributed or pass nodes=[...]."
+                )
+            sampler.resume_elastic(merged, nodes)
+            sampler.resume(epoch, 0)
+            return 0
+        consumed = int(merged["consumed"][sampler.rank])
+    else:
+        consumed = int(state["consumed"])
+    sampler.use_basis(state.get("basis"))
+    if state.get("resumed_from") is not None:
+        # Saved inside an epoch that was itself resumed elastically.
+        sampler.resume_elastic(state["resumed_from"], state["plan_nodes"])
+    sampler.resume(epoch, consumed)
+    return consumed

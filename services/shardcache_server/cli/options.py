@@ -1,0 +1,83 @@
+"""What every subcommand shares: the consoles, the --redis-url and --namespace options,
+one-line errors, and finding the index a command reads."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from shardcache.errors import ShardCacheError
+
+__all__ = [
+    "NamespaceOpt",
+    "RedisOpt",
+    "console",
+    "err_console",
+    "friendly_errors",
+    "require_dataset",
+    "running_index",
+]
+
+console = Console()
+err_console = Console(stderr=True)
+
+RedisOpt = typer.Option(
+    None,
+    "--redis-url",
+    envvar="SHARDCACHE_REDIS_URL",
+    help="Redis index URL; default: the embedded local Redis.",
+)
+NamespaceOpt = typer.Option(
+    "default",
+    "--namespace",
+    envvar="SHARDCACHE_NAMESPACE",
+    help="Deployment namespace (key prefix).",
+)
+
+
+@contextlib.contextmanager
+def friendly_errors() -> Iterator[None]:
+    """Our errors print one clear line and exit 2, never a traceback."""
+    try:
+        yield
+    except ShardCacheError as exc:
+        err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}")
+        raise typer.Exit(2) from None
+
+
+def running_index(redis_url: str | None, namespace: str) -> Any:
+    """The index of ``redis_url``, else of the embedded Redis when it runs.
+
+    Read-only commands never start a service: with nothing running there is
+    nothing to show, and an empty table with exit 0 would read as "the cache
+    is empty". They say so and exit 1.
+    """
+    from shardcache.embedded import running_redis_url, state_dir
+    from shardcache.index import RedisIndex
+
+    url = redis_url or running_redis_url()
+    if url is None:
+        err_console.print(
+            "[yellow]nothing running:[/] the embedded cache is not running on this "
+            f"machine (no live Redis recorded in {state_dir() / 'redis.json'}). "
+            "Run a training script or `shardcache warm URL` to start it, or pass "
+            "--redis-url (SHARDCACHE_REDIS_URL) to read an installed cache."
+        )
+        raise typer.Exit(1)
+    return RedisIndex.from_url(url, namespace)
+
+
+def require_dataset(index: Any, name: str) -> None:
+    """An unknown dataset name is an error (exit 2), never an empty result."""
+    known = index.datasets()
+    if name not in known:
+        listed = ", ".join(sorted(known)) or "none"
+        err_console.print(
+            f"[red]error:[/] no dataset named {name!r} in namespace "
+            f"{index.ns!r} (known: {listed}); see `shardcache ls`."
+        )
+        raise typer.Exit(2)
