@@ -103,7 +103,10 @@ def normalise_weights(
             f"weights are all zero ({weights!r}); give at least one component a "
             "weight above 0."
         )
-    return w / w.sum()
+    total = float(w.sum())
+    # Weights that already sum to 1 (up to rounding: 0.7 + 0.2 + 0.1 is
+    # 0.9999999999999999) are kept as written, as the state records them.
+    return w if math.isclose(total, 1.0, rel_tol=1e-12) else w / total
 
 
 def window_tolerance(weights: Sequence[float] | np.ndarray) -> np.ndarray:
