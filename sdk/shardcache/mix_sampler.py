@@ -164,9 +164,8 @@ class MixtureSampler(DistributedSampler[int]):
 
     def order(self) -> np.ndarray:
         """This rank's ids of the epoch (from the progress it started at)."""
-        self.global_order()
+        g = self.global_order()  # first: a new epoch or weights clear the cache
         if "order" not in self._cache:
-            g = self.global_order()
             mine = deal(self._rest(), self.world_size, self.rank, self.block)
             ids = self.offsets[g.components[mine]] + g.indices[mine]
             ids.flags.writeable = False

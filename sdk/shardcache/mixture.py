@@ -129,10 +129,8 @@ class MixedDataset(Dataset[Any]):
         self._consumed = 0
         self._delivered = np.zeros(len(self.datasets), dtype=np.int64)
 
-    def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__.copy()  # the sampler drops its hook; rebound below
-
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # A DataLoader worker's copy: the sampler dropped its hook in transit.
         self.__dict__.update(state)
         self._sampler.bind(self._start_epoch)
 
