@@ -25,13 +25,27 @@ BUCKET = "my-bucket"
 IMAGES = 64
 
 
-def quickstart() -> tuple[str, list[str]]:
-    """The quick start's code and the command on its first line."""
-    block = re.search(r"```python\n(# train\.py.*?)```", README.read_text(), re.S)
-    assert block, "README.md lost its quick start"
+def readme_script(filename: str) -> tuple[str, list[str]]:
+    """The README's example saved as ``filename`` (its first line says so)
+    and the command that line names."""
+    pattern = rf"```python\n(# {re.escape(filename)} -- .*?)```"
+    block = re.search(pattern, README.read_text(), re.S)
+    assert block, f"README.md lost its {filename} example"
     code = block.group(1)
     command = code.splitlines()[0].split("run with:", 1)[1].strip()
     return code, shlex.split(command)
+
+
+def quickstart() -> tuple[str, list[str]]:
+    """The quick start's code and the command on its first line."""
+    return readme_script("train.py")
+
+
+def fresh_bucket(s3fs_client, name: str) -> None:
+    """An empty bucket called ``name`` (a README names its buckets)."""
+    if s3fs_client.exists(name):
+        s3fs_client.rm(name, recursive=True)
+    s3fs_client.mkdir(name)
 
 
 def _png(i: int) -> bytes:
@@ -43,9 +57,7 @@ def _png(i: int) -> bytes:
 def test_readme_quickstart_runs_as_written_and_reads_each_object_once(
     user, s3, s3fs_client
 ):
-    if s3fs_client.exists(BUCKET):
-        s3fs_client.rm(BUCKET, recursive=True)
-    s3fs_client.mkdir(BUCKET)
+    fresh_bucket(s3fs_client, BUCKET)
     for i in range(IMAGES):
         s3fs_client.pipe(f"{BUCKET}/train/{i:03d}.png", _png(i))
     code, command = quickstart()
