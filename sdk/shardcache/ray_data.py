@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from ray.data import Datasource, ReadTask
 from ray.data.block import BlockAccessor, BlockMetadata
+from ray.util.annotations import RayDeprecationWarning
 
 from shardcache.checksum import check_resolved
 from shardcache.chunks import PLAIN_FIELD, Chunk
@@ -159,7 +161,6 @@ def read(
     *,
     num_cpus: float | None = None,
     concurrency: int | None = None,
-    ray_remote_args: dict[str, Any] | None = None,
     **dataset_kwargs: Any,
 ) -> ray.data.Dataset:
     """A Ray Dataset of ``urls`` read through the cache.
@@ -168,9 +169,8 @@ def read(
     where the cache is (``storage_options``, ``name``, ``target``,
     ``format``, ``redis_url``, ``namespace``, ``job``, ``revalidate``,
     ``on_error``, ...), not the ones for splitting over ranks: Ray Data
-    splits, shuffles and batches. ``num_cpus``, ``concurrency`` and
-    ``ray_remote_args`` are Ray Data's, for the read tasks; a
-    ``scheduling_strategy`` there replaces the per-node placement.
+    splits, shuffles and batches. ``num_cpus`` and ``concurrency`` are Ray
+    Data's, for the read tasks of each node (``num_cpus`` defaults to 1).
 
     Like a new ``DistributedCachedDataset``, each call is a job: it
     revalidates the listing once (objects whose ETag changed are read
@@ -197,12 +197,7 @@ def read(
     ds = DistributedCachedDataset(
         urls, preprocess, rank=0, world_size=1, shuffle=False, **dataset_kwargs
     )
-    return from_cached(
-        ds,
-        num_cpus=num_cpus,
-        concurrency=concurrency,
-        ray_remote_args=ray_remote_args,
-    )
+    return from_cached(ds, num_cpus=num_cpus, concurrency=concurrency)
 
 
 def from_cached(
@@ -210,7 +205,6 @@ def from_cached(
     *,
     num_cpus: float | None = None,
     concurrency: int | None = None,
-    ray_remote_args: dict[str, Any] | None = None,
 ) -> ray.data.Dataset:
     """Every chunk of ``ds`` (not one rank's shard) as a Ray Dataset; what
     ``ds.to_ray_dataset()`` returns. Arguments as for :func:`read`.
@@ -230,30 +224,29 @@ def from_cached(
     if num_cpus is not None and num_cpus < 0:
         raise ConfigError(f"num_cpus must be >= 0, got {num_cpus!r}.")
     plan = _plan_of(ds)
-    remote_args = dict(ray_remote_args or {})
-    if "scheduling_strategy" in remote_args:
-        shares = [(None, list(range(len(plan.items))))]
-    else:
-        shares = _place(plan, ds.generation)
     parts = []
-    for share, (node, chunks) in enumerate(shares):
+    for share, (node, chunks) in enumerate(_place(plan, ds.generation)):
         if not chunks:
             continue
-        args = dict(remote_args)
+        args = {}
         if node is not None:
             args["scheduling_strategy"] = (
                 ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
                     node, soft=True
                 )
             )
-        parts.append(
-            ray.data.read_datasource(
-                CacheDatasource(plan, chunks, share),
-                num_cpus=num_cpus,
-                concurrency=concurrency,
-                ray_remote_args=args,
+        with warnings.catch_warnings():
+            # Ray 2.60 deprecates ray_remote_args for named parameters, but
+            # names none for a scheduling strategy: this is still the way.
+            warnings.simplefilter("ignore", RayDeprecationWarning)
+            parts.append(
+                ray.data.read_datasource(
+                    CacheDatasource(plan, chunks, share),
+                    num_cpus=num_cpus,
+                    concurrency=concurrency,
+                    ray_remote_args=args,
+                )
             )
-        )
     return parts[0] if len(parts) == 1 else parts[0].union(*parts[1:])
 
 

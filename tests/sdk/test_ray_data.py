@@ -94,3 +94,72 @@ def ray_data_redis(url: str):
     import redis as redis_py
 
     return redis_py.Redis.from_url(url, decode_responses=True)
+
+
+def _train_loop(config: dict) -> None:
+    """A Ray Train rank: the sample ids it got in each epoch, to a file."""
+    import json
+    from pathlib import Path
+
+    import ray.train
+
+    shard = ray.train.get_dataset_shard("train")
+    epochs = []
+    for _epoch in range(config["epochs"]):
+        seen: list[list[int]] = []
+        for batch in shard.iter_torch_batches(batch_size=4):
+            seen += batch["data"].tolist()
+        epochs.append(seen)
+    rank = ray.train.get_context().get_world_rank()
+    Path(config["out"], f"rank{rank}.json").write_text(json.dumps(epochs))
+
+
+def _fit(dataset, out, epochs: int) -> list[list[list[int]]]:
+    """TorchTrainer, 2 workers, over ``dataset``; every epoch's samples, all ranks."""
+    import json
+
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    out.mkdir()
+    result = TorchTrainer(
+        _train_loop,
+        train_loop_config={"epochs": epochs, "out": str(out)},
+        datasets={"train": dataset},
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+        run_config=RunConfig(storage_path=str(out / "runs")),
+    ).fit()
+    assert result.error is None
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return [ranks[0][e] + ranks[1][e] for e in range(epochs)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ray_data_torch_trainer_reads_each_object_once_over_epochs_and_jobs(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace, tmp_path
+):
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    count = 40
+    payload = _objects(s3fs_client, bucket, count=count)
+    s3.reset_counts()
+    epochs = _fit(_read(s3, bucket, redis_url, namespace), tmp_path / "a", 3)
+    for seen in epochs:  # every sample once per epoch, over both workers
+        assert sorted(row[0] for row in seen) == list(range(count))
+    assert s3.total_gets == count  # 3 epochs: each object read once
+
+    s3.reset_counts()
+    epochs = _fit(_read(s3, bucket, redis_url, namespace), tmp_path / "b", 1)
+    assert sorted(row[0] for row in epochs[0]) == list(range(count))
+    assert s3.total_gets == 0  # a second job: all from the cache
+
+    # Ten objects rewritten; the next run serves them new, reading only them.
+    _objects(s3fs_client, bucket, count=10, fill=100)
+    s3.reset_counts()
+    epochs = _fit(_read(s3, bucket, redis_url, namespace), tmp_path / "c", 1)
+    new = [(i + 100) if i < 10 else i for i in range(count)]
+    assert sorted(row[0] for row in epochs[0]) == sorted(new)
+    assert s3.total_gets == 10
+    assert len(payload) == count
