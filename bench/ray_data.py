@@ -31,6 +31,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+# Ray sockets on loopback (as the tests and bench/endpoint.py): must precede
+# `import ray`, or nodes advertise an interface address this run cannot reach.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 IMAGE_PX = 224  # decoded and resized to (3, 224, 224) uint8, as in bench/run.py
 SYSTEMS = ("plain", "materialize", "shardcache", "shardcache-2nd-job")
 

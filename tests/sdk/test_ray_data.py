@@ -50,6 +50,59 @@ def test_ray_data_read_rejects_rank_splitting_arguments():
         ray_data.read("s3://b/d/", shuffle=True, world_size=2)
 
 
+def _plan(on_error: str = "raise") -> object:
+    from shardcache.config import ClientConfig
+    from shardcache.ray_data import _ReadPlan
+
+    return _ReadPlan(
+        "ds", "job", "digest", ClientConfig(), None, (("c0", "v", 30),), (3,),
+        on_error, "s3://b/d/", "fp", 3, 30,
+    )  # fmt: skip
+
+
+def test_ray_data_chunk_becomes_one_block_with_stacked_ragged_and_target_columns():
+    from shardcache.chunks import Chunk
+    from shardcache.ray_data import _to_block
+
+    chunk = Chunk(
+        {
+            "x": np.arange(6, dtype=np.uint8).reshape(3, 2),
+            "y/data": np.arange(6, dtype=np.int64),
+            "y/offsets": np.array([0, 1, 3, 6]),
+            "y/shapes": np.array([[1], [2], [3]]),
+            "__failed__": np.zeros(3, dtype=bool),
+            "__target__": np.array([7, 8, 9]),
+        }
+    )
+    block = _to_block(chunk, None).to_pydict()
+    assert [list(v) for v in block["x"]] == [[0, 1], [2, 3], [4, 5]]
+    assert [list(v) for v in block["y"]] == [[0], [1, 2], [3, 4, 5]]
+    assert block["target"] == [7, 8, 9]
+    rows = _to_block(chunk, np.array([2])).to_pydict()
+    assert [list(v) for v in rows["y"]] == [[3, 4, 5]] and rows["target"] == [9]
+
+
+def test_ray_data_failed_row_raises_its_error_or_is_left_out_with_skip():
+    import json
+
+    from shardcache.chunks import Chunk
+    from shardcache.errors import PreprocessError
+    from shardcache.ray_data import _good_rows
+
+    chunk = Chunk(
+        {
+            "_": np.zeros((3, 2), dtype=np.uint8),
+            "__failed__": np.array([False, True, False]),
+            "__errors__": np.frombuffer(
+                json.dumps({"1": ["PreprocessError", "bad jpeg"]}).encode(), np.uint8
+            ),
+        }
+    )
+    with pytest.raises(PreprocessError, match="chunk 0 row 1 .*bad jpeg"):
+        _good_rows(chunk, _plan(), 0)
+    assert _good_rows(chunk, _plan("skip"), 0).tolist() == [0, 2]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ray_data_read_epochs_and_pipelines_read_each_object_once(
@@ -87,6 +140,19 @@ def test_ray_data_read_epochs_and_pipelines_read_each_object_once(
     again = _read(s3, bucket, redis_url, namespace, job="second")
     got = _samples(again.iter_batches(batch_size=8))
     assert sorted(got) == sorted({**payload, f"{bucket}/d/003.bin": b"n" * 32}.values())
+    assert s3.total_gets == 1
+    # The same through a DistributedCachedDataset.
+    from shardcache import DistributedCachedDataset
+
+    sdk = DistributedCachedDataset(
+        f"s3://{bucket}/d/",
+        storage_options=s3.storage_options(),
+        redis_url=redis_url,
+        namespace=namespace,
+        chunk_samples=CHUNK,
+        name="rd",
+    )
+    assert sdk.to_ray_dataset(num_cpus=0.25).count() == COUNT
     assert s3.total_gets == 1
 
 
