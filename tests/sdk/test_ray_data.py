@@ -23,20 +23,24 @@ def _objects(s3fs_client, bucket, count=COUNT, fill=0):
     return payload
 
 
+def _source(s3, bucket, redis_url, namespace) -> dict:
+    """The dataset arguments both front doors take here."""
+    return {
+        "urls": f"s3://{bucket}/d/",
+        "storage_options": s3.storage_options(),
+        "redis_url": redis_url,
+        "namespace": namespace,
+        "chunk_samples": CHUNK,
+        "name": "rd",
+    }
+
+
 def _read(s3, bucket, redis_url, namespace, **kw):
     from shardcache import ray_data
 
     kw.setdefault("job", f"j{uuid.uuid4().hex[:8]}")
-    return ray_data.read(
-        f"s3://{bucket}/d/",
-        storage_options=s3.storage_options(),
-        redis_url=redis_url,
-        namespace=namespace,
-        chunk_samples=CHUNK,
-        name="rd",
-        num_cpus=0.25,
-        **kw,
-    )
+    source = _source(s3, bucket, redis_url, namespace)
+    return ray_data.read(**source, num_cpus=0.25, **kw)
 
 
 def _samples(batches) -> list[bytes]:
@@ -144,14 +148,7 @@ def test_ray_data_read_epochs_and_pipelines_read_each_object_once(
     # The same through a DistributedCachedDataset.
     from shardcache import DistributedCachedDataset
 
-    sdk = DistributedCachedDataset(
-        f"s3://{bucket}/d/",
-        storage_options=s3.storage_options(),
-        redis_url=redis_url,
-        namespace=namespace,
-        chunk_samples=CHUNK,
-        name="rd",
-    )
+    sdk = DistributedCachedDataset(**_source(s3, bucket, redis_url, namespace))
     assert sdk.to_ray_dataset(num_cpus=0.25).count() == COUNT
     assert s3.total_gets == 1
 
