@@ -1050,6 +1050,12 @@ class DistributedCachedDataset(Dataset[Any]):
             reader, order[start : start + steps * batch_size], progress=progress
         )
 
+    def to_ray_dataset(self, **ray_args: Any) -> Any:
+        """Every chunk as a ``ray.data.Dataset`` (``shardcache.ray_data.from_cached``)."""
+        from shardcache.ray_data import from_cached  # imports Ray Data on first use
+
+        return from_cached(self, **ray_args)
+
     def epoch_indices(self) -> Iterator[np.ndarray]:
         """The rest of this epoch's order (after a resume), for ``loader()``."""
         order = self._sampler.order()

@@ -6,6 +6,13 @@ Ray actor per rank on the cache worker nodes, and each rank reads its shard of
 ``URL`` through ``DistributedCachedDataset`` from the store on its own node, as
 zero-copy views of that node's object store.
 
+With ``--ray-data`` the ranks read a Ray Dataset instead: the driver builds
+``shardcache.ray_data.read(URL)`` (one block per cached chunk, read on the node
+that holds it), ``TorchTrainer(datasets={"train": ...})`` splits it, and each
+rank iterates ``ray.train.get_dataset_shard("train")``. Pick it when the input
+pipeline is Ray Data's (``map_batches`` after the cache, ``random_shuffle``);
+the default path gives exact per-rank shards and elastic resume.
+
 Nothing here names the cache: the chart sets ``SHARDCACHE_REDIS_URL``,
 ``SHARDCACHE_NAMESPACE`` and the Ray token on every Ray pod, Ray workers inherit
 that environment, and ``DistributedCachedDataset`` takes its rank and world size
@@ -15,6 +22,7 @@ from the process group that Ray Train sets up. ``--redis-url`` and
 Usage::
 
     python ray_train.py s3://bucket/train/ --workers 2 --epochs 2
+    python ray_train.py s3://bucket/train/ --workers 2 --epochs 2 --ray-data
 """
 
 from __future__ import annotations
@@ -36,6 +44,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64, help="per rank")
     parser.add_argument("--use-gpu", action="store_true", help="one GPU per rank")
+    parser.add_argument(
+        "--ray-data",
+        action="store_true",
+        help="read a Ray Dataset over the cache (shardcache.ray_data) instead of "
+        "DistributedCachedDataset",
+    )
     parser.add_argument(
         "--cpus-per-worker", type=float, default=1.0, help="Ray CPUs per rank"
     )
@@ -69,13 +83,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """One Ray Train rank: epochs over this rank's shard, totals all-reduced."""
-    import torch
-    import torch.distributed as dist
-    from ray.train.torch import get_device
     from torch.utils.data import DataLoader
 
     from shardcache import DistributedCachedDataset
 
+    if config["ray_data"]:
+        _train_epochs(config, _ray_data_batches(config), None)
+        return
     ds = DistributedCachedDataset(
         config["url"],
         storage_options=config["storage_options"],
@@ -87,40 +101,70 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     loader = DataLoader(
         ds, batch_size=config["batch_size"], sampler=ds.sampler, collate_fn=list
     )
-    device = get_device()  # nccl all-reduces CUDA tensors, gloo CPU ones
-    epochs = []
+
+    def batches(epoch: int) -> Any:
+        ds.set_epoch(epoch)
+        return loader
+
     try:
-        for epoch in range(config["epochs"]):
-            ds.set_epoch(epoch)
-            start = time.perf_counter()
-            samples = nbytes = 0
-            for batch in loader:
-                # The model's forward and backward step goes here.
-                samples += len(batch)
-                nbytes += sum(t.nbytes for t in batch)  # ~0.1 us per sample
-            seconds = time.perf_counter() - start
-            totals = torch.tensor([samples, nbytes], dtype=torch.float64, device=device)
-            dist.all_reduce(totals)
-            epochs.append({"epoch": epoch, "samples": samples, "bytes": nbytes})
-            if ds.rank == 0:
-                line = {
-                    "epoch": epoch,
-                    "samples": int(totals[0]),
-                    "bytes": int(totals[1]),
-                    "rank0_samples_per_s": round(samples / max(seconds, 1e-9), 1),
-                }
-                print(json.dumps(line), flush=True)
-        if config["summary_dir"]:
-            summary = {
-                "rank": ds.rank,
-                "world_size": ds.world_size,
-                "epochs": epochs,
-                "stats": ds.stats(),
-            }
-            path = Path(config["summary_dir"], f"rank{ds.rank}.json")
-            path.write_text(json.dumps(summary, default=str))
+        _train_epochs(config, batches, ds)
     finally:
         ds.close()
+
+
+def _ray_data_batches(config: dict[str, Any]) -> Any:
+    """This rank's split of the Ray Dataset, one pass per call (one epoch)."""
+    import ray.train
+
+    shard = ray.train.get_dataset_shard("train")
+
+    def batches(epoch: int) -> Any:
+        for batch in shard.iter_torch_batches(batch_size=config["batch_size"]):
+            yield batch["data"]  # (B, ...) tensor, or a list when sizes differ
+
+    return batches
+
+
+def _train_epochs(config: dict[str, Any], batches: Any, ds: Any) -> None:
+    """The epochs of one rank over ``batches(epoch)``; rank 0 prints the totals.
+    ``ds``: the DistributedCachedDataset whose stats the summary carries, or None."""
+    import ray.train
+    import torch
+    import torch.distributed as dist
+    from ray.train.torch import get_device
+
+    rank = ray.train.get_context().get_world_rank()
+    device = get_device()  # nccl all-reduces CUDA tensors, gloo CPU ones
+    epochs = []
+    for epoch in range(config["epochs"]):
+        start = time.perf_counter()
+        samples = nbytes = 0
+        for batch in batches(epoch):
+            # The model's forward and backward step goes here.
+            samples += len(batch)
+            nbytes += sum(t.nbytes for t in batch)  # ~0.1 us per sample
+        seconds = time.perf_counter() - start
+        totals = torch.tensor([samples, nbytes], dtype=torch.float64, device=device)
+        dist.all_reduce(totals)
+        epochs.append({"epoch": epoch, "samples": samples, "bytes": nbytes})
+        if rank == 0:
+            line = {
+                "epoch": epoch,
+                "samples": int(totals[0]),
+                "bytes": int(totals[1]),
+                "rank0_samples_per_s": round(samples / max(seconds, 1e-9), 1),
+            }
+            print(json.dumps(line), flush=True)
+    if config["summary_dir"]:
+        summary = {
+            "rank": rank,
+            "world_size": ray.train.get_context().get_world_size(),
+            "epochs": epochs,
+            "stats": ds.stats() if ds is not None else None,
+        }
+        Path(config["summary_dir"], f"rank{rank}.json").write_text(
+            json.dumps(summary, default=str)
+        )
 
 
 def build_trainer(args: argparse.Namespace) -> Any:
@@ -136,10 +180,26 @@ def build_trainer(args: argparse.Namespace) -> Any:
         "redis_url": args.redis_url,
         "namespace": args.namespace,
         "summary_dir": args.summary_dir,
+        "ray_data": args.ray_data,
     }
+    datasets = None
+    if args.ray_data:
+        from shardcache import ray_data
+
+        # Built on the driver: one listing for the job; Ray Train splits it
+        # over the ranks, keeping each block on the node that read it.
+        datasets = {
+            "train": ray_data.read(
+                args.url,
+                storage_options=args.storage_options,
+                redis_url=args.redis_url,
+                namespace=args.namespace,
+            )
+        }
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config=config,
+        datasets=datasets,
         scaling_config=ScalingConfig(
             num_workers=args.workers,
             use_gpu=args.use_gpu,
