@@ -11,6 +11,7 @@ anonymous memory does not grow with the dataset.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from shardcache.chunks import ChunkLayout, plan_chunks
 
-__all__ = ["ChunkItem", "Manifest", "chunk_key", "sample_hash"]
+__all__ = ["ChunkItem", "Manifest", "ManifestWriter", "chunk_key", "sample_hash"]
 
 ChunkItem = tuple[
     str, str, int
@@ -47,11 +48,58 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def _blob(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    encoded = [s.encode() for s in strings]
-    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-    np.cumsum([len(b) for b in encoded], out=offsets[1:])
-    return np.frombuffer(b"".join(encoded), dtype=np.uint8), offsets
+class ManifestWriter:
+    """Objects appended one at a time into the manifest's columns, as a
+    listing streams them: URL and version bytes go to two growing blobs, the
+    ends, sizes and hashes to typed arrays. Nothing per object survives the
+    append (28 B of arrays plus the URL and version bytes per object), so a
+    listing of millions never holds a list of dicts or strings.
+
+    >>> w = ManifestWriter()
+    >>> w.add("/d/a", 3, "e1"); w.add("/d/b", 4, "e2")
+    >>> Manifest.concat("file", [w]).members(0, 2)
+    [('/d/a', 'e1', 3), ('/d/b', 'e2', 4)]
+    """
+
+    def __init__(self) -> None:
+        self.names = bytearray()
+        self.name_ends = array("q")
+        self.etags = bytearray()
+        self.etag_ends = array("q")
+        self.sizes = array("q")
+        self.hashes = array("Q")
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def add(self, url: str, size: int, etag: str) -> None:
+        """Append one object (in the dataset's order)."""
+        self.add_bytes(url.encode(), size, etag.encode())
+
+    def add_bytes(self, url: bytes, size: int, etag: bytes) -> None:
+        # The hash is sample_hash(url, etag), computed from the bytes at hand.
+        digest = hashlib.blake2b(url + b"\0" + etag, digest_size=8).digest()
+        self.names += url
+        self.name_ends.append(len(self.names))
+        self.etags += etag
+        self.etag_ends.append(len(self.etags))
+        self.sizes.append(size)
+        self.hashes.append(int.from_bytes(digest, "little"))
+
+
+def _concat_blob(
+    parts: Sequence[ManifestWriter], blob: str, ends: str
+) -> tuple[np.ndarray, np.ndarray]:
+    offsets = np.zeros(sum(len(p) for p in parts) + 1, dtype=np.int64)
+    data = np.empty(sum(len(getattr(p, blob)) for p in parts), dtype=np.uint8)
+    row = base = 0
+    for part in parts:
+        n, raw = len(part), getattr(part, blob)
+        offsets[row + 1 : row + n + 1] = np.frombuffer(getattr(part, ends), np.int64)
+        offsets[row + 1 : row + n + 1] += base
+        data[base : base + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        row, base = row + n, base + len(raw)
+    return data, offsets
 
 
 class Manifest:
@@ -81,13 +129,24 @@ class Manifest:
         etags: Sequence[str],
     ) -> Manifest:
         """Build from parallel lists (already in the dataset's order)."""
-        names, name_offsets = _blob(urls)
-        etag_blob, etag_offsets = _blob(etags)
-        hashes = np.fromiter(
-            (sample_hash(u, e) for u, e in zip(urls, etags, strict=True)),
-            dtype=np.uint64,
-            count=len(urls),
-        )
+        writer = ManifestWriter()
+        for url, size, etag in zip(urls, sizes, etags, strict=True):
+            writer.add(url, int(size), etag)
+        return cls.concat(protocol, [writer])
+
+    @classmethod
+    def concat(cls, protocol: str, parts: Sequence[ManifestWriter]) -> Manifest:
+        """The objects of ``parts``, one after another, as one manifest (one
+        copy of the bytes; the writers can be dropped afterwards)."""
+        names, name_offsets = _concat_blob(parts, "names", "name_ends")
+        etag_blob, etag_offsets = _concat_blob(parts, "etags", "etag_ends")
+        n = sum(len(p) for p in parts)
+        sizes, hashes = np.empty(n, np.int64), np.empty(n, np.uint64)
+        row = 0
+        for part in parts:
+            sizes[row : row + len(part)] = np.frombuffer(part.sizes, np.int64)
+            hashes[row : row + len(part)] = np.frombuffer(part.hashes, np.uint64)
+            row += len(part)
         return cls(
             protocol,
             {
@@ -95,7 +154,7 @@ class Manifest:
                 "name_offsets": name_offsets,
                 "etags": etag_blob,
                 "etag_offsets": etag_offsets,
-                "sizes": np.asarray(sizes, dtype=np.int64),
+                "sizes": sizes,
                 "hashes": hashes,
             },
         )

@@ -46,6 +46,11 @@ class FaultPlan:
             response byte (the client sees a disconnect).
         stall_rate / stall_s: share of GETs held ``stall_s`` before the first
             byte (a hung connection: the client's per-attempt timeout fires).
+        list_error_rate: share of LIST requests (ListObjectsV2 pages)
+            answered with ``error_status``, so a listing's retries and
+            continuation can be tested.
+        list_latency_s: added before every LIST response (a stated
+            per-request latency for listing benchmarks).
         seed: the random stream deciding which requests fail.
     """
 
@@ -59,6 +64,8 @@ class FaultPlan:
     reset_rate: float = 0.0
     stall_rate: float = 0.0
     stall_s: float = 0.0
+    list_error_rate: float = 0.0
+    list_latency_s: float = 0.0
     seed: int = 0
 
 
@@ -110,6 +117,16 @@ def _drop_connection(
     return []
 
 
+def _object_path(environ: Environ) -> str:
+    """``/bucket/key`` as the client named it. PATH_INFO is already decoded
+    (as latin-1 bytes), so a key holding ``%41`` or unicode would be counted
+    under another name; the raw URI decoded once is the key itself."""
+    raw = environ.get("RAW_URI") or environ.get("REQUEST_URI")
+    if raw is None:
+        return unquote(environ.get("PATH_INFO", ""))
+    return unquote(raw.split("?", 1)[0])
+
+
 class S3Emulator:
     """moto's S3 on ``127.0.0.1:port`` with request counting and fault injection.
 
@@ -126,7 +143,8 @@ class S3Emulator:
         self.get_bytes: Counter[str] = Counter()  # body bytes sent per object
         self.get_times: list[float] = []  # monotonic arrival time of every object GET
         self.requests = 0
-        self.lists = 0  # ListObjectsV2 requests (pages)
+        self.lists = 0  # ListObjectsV2 requests (pages), failed ones included
+        self.list_errors = 0  # of those, answered with an injected error
         self.cpu_s = 0.0  # CPU time the storage side spent serving requests
         self.faults = FaultPlan()
         self._rng = random.Random(0)
@@ -184,6 +202,7 @@ class S3Emulator:
             self.get_times.clear()
             self.requests = 0
             self.lists = 0
+            self.list_errors = 0
             self.cpu_s = 0.0
 
     def set_faults(self, plan: FaultPlan) -> None:
@@ -230,6 +249,8 @@ class S3Emulator:
             is_object_get = (
                 method == "GET" and path.count("/") >= 2 and "list-type" not in query
             )
+            is_list = method == "GET" and "list-type" in query
+            list_fails = False
             with self._lock:
                 self.requests += 1
                 plan = self.faults
@@ -243,10 +264,18 @@ class S3Emulator:
                         math.log(plan.latency_median_s), plan.latency_sigma
                     )
                 if is_object_get:
-                    self.gets[unquote(path)] += 1
+                    self.gets[_object_path(environ)] += 1
                     self.get_times.append(time.monotonic())
-                elif method == "GET" and "list-type" in query:
+                elif is_list:
                     self.lists += 1  # ListObjectsV2 pages
+                    list_fails = self._rng.random() < plan.list_error_rate
+                    self.list_errors += list_fails
+            if is_list:
+                if plan.list_latency_s:
+                    time.sleep(plan.list_latency_s)
+                if list_fails:
+                    return self._error(plan.error_status, start_response)
+                return app(environ, start_response)
             if not is_object_get:
                 return app(environ, start_response)
             if delay:
@@ -254,24 +283,24 @@ class S3Emulator:
             if reset:
                 return _drop_connection(environ, start_response)
             if roll < plan.error_rate:
-                body = _ERROR_BODY.get(plan.error_status, _ERROR_BODY[500])
-                start_response(
-                    f"{plan.error_status} Error",
-                    [
-                        ("Content-Type", "application/xml"),
-                        ("Content-Length", str(len(body))),
-                    ],
-                )
-                return [body]
+                return self._error(plan.error_status, start_response)
             if truncate:
                 return self._truncated(app, environ, start_response)
             if plan.bandwidth_bytes_per_s:
                 body = _paced(app(environ, start_response), plan.bandwidth_bytes_per_s)
             else:
                 body = app(environ, start_response)
-            return self._counted(body, unquote(path))
+            return self._counted(body, _object_path(environ))
 
         return middleware
+
+    def _error(self, status: int, start_response: StartResponse) -> list[bytes]:
+        body = _ERROR_BODY.get(status, _ERROR_BODY[500])
+        start_response(
+            f"{status} Error",
+            [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))],
+        )
+        return [body]
 
     def _counted(self, body: Iterable[bytes], path: str) -> Iterator[bytes]:
         # Counted as each part is handed to the server, before it is sent: a
@@ -315,6 +344,8 @@ class S3Emulator:
                         "gets": dict(self.gets),
                         "total_gets": self.total_gets,
                         "requests": self.requests,
+                        "lists": self.lists,
+                        "list_errors": self.list_errors,
                         "cpu_s": self.cpu_s,
                         "faults": asdict(self.faults),
                     }
