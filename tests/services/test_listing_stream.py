@@ -179,3 +179,29 @@ def test_listing_failed_halfway_is_never_published_and_next_attempt_lists_all(
     s3.set_faults(FaultPlan())
     _, _, manifest = asyncio.run(listings.publish(spec))
     assert manifest.urls() == sorted(f"s3://{bucket}/{k}" for k in keys)
+
+
+def test_store_listing_draws_on_the_source_rps_budget(
+    s3: Any, s3fs_client: Any, bucket: str, redis_url: str, redis: Any
+) -> None:
+    from shardcache_server.budget import RequestBudget
+    from shardcache_server.listing import list_with_layout, listing_budget
+    from shardcache_server.settings import ServiceSettings
+
+    s3fs_client.pipe({f"{bucket}/s/{i}": b"v" for i in range(3)})
+    settings = ServiceSettings(
+        redis_url=redis_url, namespace="lb", source_rps=1.0, source_burst=50
+    )
+    assert listing_budget(ServiceSettings(redis_url=redis_url)) is None
+    url = f"s3://{bucket}/s/"
+    spec = {"urls": url, "storage_options": s3.storage_options()}
+    manifest = list_with_layout(spec, None, None, listing_budget(settings))
+    assert len(manifest) == 3
+    budget = RequestBudget(_index(redis_url, "lb"), 1.0, 50)
+    assert float(redis.hget(budget.key(url), "tokens")) < 50  # the LIST took one
+
+
+def _index(redis_url: str, namespace: str) -> Any:
+    from shardcache.index import RedisIndex
+
+    return RedisIndex.from_url(redis_url, namespace)
