@@ -62,6 +62,10 @@ class ManifestWriter:
     """
 
     def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Drop every object appended (their memory is freed)."""
         self.names = bytearray()
         self.name_ends = array("q")
         self.etags = bytearray()
@@ -85,21 +89,6 @@ class ManifestWriter:
         self.etag_ends.append(len(self.etags))
         self.sizes.append(size)
         self.hashes.append(int.from_bytes(digest, "little"))
-
-
-def _concat_blob(
-    parts: Sequence[ManifestWriter], blob: str, ends: str
-) -> tuple[np.ndarray, np.ndarray]:
-    offsets = np.zeros(sum(len(p) for p in parts) + 1, dtype=np.int64)
-    data = np.empty(sum(len(getattr(p, blob)) for p in parts), dtype=np.uint8)
-    row = base = 0
-    for part in parts:
-        n, raw = len(part), getattr(part, blob)
-        offsets[row + 1 : row + n + 1] = np.frombuffer(getattr(part, ends), np.int64)
-        offsets[row + 1 : row + n + 1] += base
-        data[base : base + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-        row, base = row + n, base + len(raw)
-    return data, offsets
 
 
 class Manifest:
@@ -136,23 +125,43 @@ class Manifest:
 
     @classmethod
     def concat(cls, protocol: str, parts: Sequence[ManifestWriter]) -> Manifest:
-        """The objects of ``parts``, one after another, as one manifest (one
-        copy of the bytes; the writers can be dropped afterwards)."""
-        names, name_offsets = _concat_blob(parts, "names", "name_ends")
-        etag_blob, etag_offsets = _concat_blob(parts, "etags", "etag_ends")
+        """The objects of ``parts``, one after another, as one manifest. Each
+        writer is emptied once copied, so a listing's peak is the manifest
+        plus one part, not two copies of everything."""
         n = sum(len(p) for p in parts)
+        names = np.empty(sum(len(p.names) for p in parts), np.uint8)
+        etags = np.empty(sum(len(p.etags) for p in parts), np.uint8)
+        name_offsets, etag_offsets = (
+            np.zeros(n + 1, np.int64),
+            np.zeros(n + 1, np.int64),
+        )
         sizes, hashes = np.empty(n, np.int64), np.empty(n, np.uint64)
-        row = 0
+        row = name_at = etag_at = 0
         for part in parts:
-            sizes[row : row + len(part)] = np.frombuffer(part.sizes, np.int64)
-            hashes[row : row + len(part)] = np.frombuffer(part.hashes, np.uint64)
-            row += len(part)
+            k, rows = len(part), slice(row + 1, row + len(part) + 1)
+            if k:
+                name_offsets[rows] = np.frombuffer(part.name_ends, np.int64) + name_at
+                etag_offsets[rows] = np.frombuffer(part.etag_ends, np.int64) + etag_at
+                sizes[row : row + k] = np.frombuffer(part.sizes, np.int64)
+                hashes[row : row + k] = np.frombuffer(part.hashes, np.uint64)
+                names[name_at : name_at + len(part.names)] = np.frombuffer(
+                    part.names, np.uint8
+                )
+                etags[etag_at : etag_at + len(part.etags)] = np.frombuffer(
+                    part.etags, np.uint8
+                )
+            row, name_at, etag_at = (
+                row + k,
+                name_at + len(part.names),
+                etag_at + len(part.etags),
+            )
+            part.clear()
         return cls(
             protocol,
             {
                 "names": names,
                 "name_offsets": name_offsets,
-                "etags": etag_blob,
+                "etags": etags,
                 "etag_offsets": etag_offsets,
                 "sizes": sizes,
                 "hashes": hashes,

@@ -19,11 +19,18 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
 from werkzeug.serving import BaseWSGIServer, make_server
 
-__all__ = ["LATENCY_PROFILES", "FaultPlan", "S3Emulator"]
+__all__ = ["LATENCY_PROFILES", "SYNTHETIC_BUCKET", "FaultPlan", "S3Emulator"]
+
+# A bucket named "synthetic-N" lists N objects without storing them (LIST
+# only; benchmarks of listings at 10M objects): keys d{i//10000:05d}/s{i:09d}.bin
+# of SYNTHETIC_SIZE bytes, so a prefix has sub-prefixes of 10,000 keys each.
+SYNTHETIC_BUCKET = "synthetic-"
+SYNTHETIC_PER_DIR = 10_000
+SYNTHETIC_SIZE = 100
 
 Environ = dict[str, Any]
 StartResponse = Callable[..., Any]
@@ -115,6 +122,54 @@ def _drop_connection(
     # it treats as a dropped connection, quietly.
     start_response("500 Dropped", [("Content-Length", "0")])
     return []
+
+
+def _synthetic_page(
+    bucket: str, query: str, start_response: StartResponse
+) -> list[bytes]:
+    """One ListObjectsV2 page of the synthetic bucket ``synthetic-N``: the
+    keys are computed from their index, the token is the next index."""
+    args = {k: v[0] for k, v in parse_qs(query, keep_blank_values=True).items()}
+    total = int(bucket[len(SYNTHETIC_BUCKET) :])
+    prefix, max_keys = args.get("prefix", ""), int(args.get("max-keys", 1000))
+    start = int(args.get("continuation-token") or 0)
+    dirs = (total + SYNTHETIC_PER_DIR - 1) // SYNTHETIC_PER_DIR
+    parts = [
+        '<?xml version="1.0" encoding="UTF-8"?><ListBucketResult '
+        'xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+        f"<Name>{bucket}</Name><Prefix>{prefix}</Prefix><MaxKeys>{max_keys}</MaxKeys>"
+    ]
+    if prefix == "" and args.get("delimiter") == "/":
+        stop = min(dirs, start + max_keys)
+        parts += [
+            f"<CommonPrefixes><Prefix>d{d:05d}/</Prefix></CommonPrefixes>"
+            for d in range(start, stop)
+        ]
+        truncated = stop < dirs
+    else:
+        d = int(prefix[1:6]) if prefix.startswith("d") and len(prefix) >= 6 else -1
+        lo = d * SYNTHETIC_PER_DIR if 0 <= d < dirs else total
+        hi = min(total, lo + SYNTHETIC_PER_DIR)
+        first = max(lo, start)
+        stop = min(hi, first + max_keys)
+        parts += [
+            f"<Contents><Key>d{d:05d}/s{i:09d}.bin</Key>"
+            "<LastModified>2026-01-01T00:00:00.000Z</LastModified>"
+            f"<ETag>&quot;{i:032x}&quot;</ETag><Size>{SYNTHETIC_SIZE}</Size>"
+            "<StorageClass>STANDARD</StorageClass></Contents>"
+            for i in range(first, stop)
+        ]
+        truncated = stop < hi
+    parts.append(f"<IsTruncated>{'true' if truncated else 'false'}</IsTruncated>")
+    if truncated:
+        parts.append(f"<NextContinuationToken>{stop}</NextContinuationToken>")
+    parts.append("</ListBucketResult>")
+    body = "".join(parts).encode()
+    start_response(
+        "200 OK",
+        [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))],
+    )
+    return [body]
 
 
 def _object_path(environ: Environ) -> str:
@@ -275,6 +330,8 @@ class S3Emulator:
                     time.sleep(plan.list_latency_s)
                 if list_fails:
                     return self._error(plan.error_status, start_response)
+                if path.startswith("/" + SYNTHETIC_BUCKET):
+                    return _synthetic_page(path.strip("/"), query, start_response)
                 return app(environ, start_response)
             if not is_object_get:
                 return app(environ, start_response)

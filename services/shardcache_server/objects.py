@@ -18,7 +18,7 @@ import os
 import posixpath
 import random
 import re
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -103,39 +103,35 @@ class _Parts:
 
 
 # -- local files: os.scandir, one directory at a time ------------------------------
-def _scan(path: str) -> Iterator[tuple[bytes, os.DirEntry[str], bool]]:
-    """One directory's entries as (sort key, entry, is_dir), in order."""
+def _scan(path: str) -> list[bytes]:
+    """One directory's names, sorted as the keys sort (a directory's name
+    ends in ``/``). Only the names are held, ~60 B each: a level of 10,000
+    files is ~0.6 MB while it is walked, whatever the dataset's size."""
     with os.scandir(path) as it:
-        level = []
-        for entry in it:
-            is_dir = entry.is_dir()
-            key = (
-                _dir_key(entry.name)
-                if is_dir
-                else entry.name.encode(errors="surrogateescape")
-            )
-            level.append((key, entry, is_dir))
-    level.sort(key=lambda e: e[0])
-    return iter(level)
+        level = [_dir_key(e.name) if e.is_dir() else os.fsencode(e.name) for e in it]
+    level.sort()
+    return level
 
 
-def _add_local(out: ManifestWriter, entry: os.DirEntry[str], accept: Accept) -> None:
-    if not accept(entry.path):
+def _add_local(out: ManifestWriter, path: str, accept: Accept) -> None:
+    if not accept(path):
         return
-    st = entry.stat()
+    st = os.stat(path)
     # The version is str(st_mtime), as fsspec's info() gives it: fetch.py
     # compares a read file's version the same way.
-    out.add_bytes(os.fsencode(entry.path), st.st_size, str(st.st_mtime).encode())
+    out.add_bytes(os.fsencode(path), st.st_size, str(st.st_mtime).encode())
 
 
 def _walk_local(path: str, out: ManifestWriter, accept: Accept) -> None:
-    stack = [_scan(path)]
+    stack = [(path, iter(_scan(path)))]
     while stack:
-        for _, entry, is_dir in stack[-1]:
-            if is_dir:
-                stack.append(_scan(entry.path))
+        here, names = stack[-1]
+        for name in names:
+            child = os.path.join(here, os.fsdecode(name.rstrip(b"/")))
+            if name.endswith(b"/"):
+                stack.append((child, iter(_scan(child))))
                 break
-            _add_local(out, entry, accept)
+            _add_local(out, child, accept)
         else:
             stack.pop()
 
@@ -143,19 +139,18 @@ def _walk_local(path: str, out: ManifestWriter, accept: Accept) -> None:
 def _list_local(root: str, accept: Accept, url: str) -> list[ManifestWriter]:
     if os.path.isfile(root):
         out = ManifestWriter()
-        if accept(root):
-            st = os.stat(root)
-            out.add_bytes(os.fsencode(root), st.st_size, str(st.st_mtime).encode())
+        _add_local(out, root, accept)
         return [out]
     if not os.path.isdir(root):
         raise _not_found(url)
     parts = _Parts()
     try:
-        for _, entry, is_dir in _scan(root):
-            if is_dir:
-                parts.prefix(entry.path)
+        for name in _scan(root):
+            child = os.path.join(root, os.fsdecode(name.rstrip(b"/")))
+            if name.endswith(b"/"):
+                parts.prefix(child)
             else:
-                _add_local(parts.here, entry, accept)
+                _add_local(parts.here, child, accept)
         with ThreadPoolExecutor(min(LIST_CONCURRENCY, 8)) as pool:
             list(
                 pool.map(
