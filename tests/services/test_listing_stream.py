@@ -205,3 +205,13 @@ def _index(redis_url: str, namespace: str) -> Any:
     from shardcache.index import RedisIndex
 
     return RedisIndex.from_url(redis_url, namespace)
+
+
+def test_emulator_synthetic_bucket_lists_computed_pages(s3: Any) -> None:
+    # 20,001 keys in 3 sub-prefixes of 10,000: pages computed, nothing stored.
+    manifest = list_source("s3://synthetic-20001/", s3.storage_options())
+    assert len(manifest) == 20001
+    assert manifest.url(0) == "s3://synthetic-20001/d00000/s000000000.bin"
+    assert manifest.url(20000) == "s3://synthetic-20001/d00002/s000020000.bin"
+    assert set(manifest.sizes.tolist()) == {100}
+    assert s3.lists == 1 + 10 + 10 + 1  # the level, then pages of 1,000 keys
