@@ -11,6 +11,7 @@ anonymous memory does not grow with the dataset.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from shardcache.chunks import ChunkLayout, plan_chunks
 
-__all__ = ["ChunkItem", "Manifest", "chunk_key", "sample_hash"]
+__all__ = ["ChunkItem", "Manifest", "ManifestWriter", "chunk_key", "sample_hash"]
 
 ChunkItem = tuple[
     str, str, int
@@ -47,11 +48,47 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def _blob(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    encoded = [s.encode() for s in strings]
-    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-    np.cumsum([len(b) for b in encoded], out=offsets[1:])
-    return np.frombuffer(b"".join(encoded), dtype=np.uint8), offsets
+class ManifestWriter:
+    """Objects appended one at a time into the manifest's columns, as a
+    listing streams them: URL and version bytes go to two growing blobs, the
+    ends, sizes and hashes to typed arrays. Nothing per object survives the
+    append (28 B of arrays plus the URL and version bytes per object), so a
+    listing of millions never holds a list of dicts or strings.
+
+    >>> w = ManifestWriter()
+    >>> w.add("/d/a", 3, "e1"); w.add("/d/b", 4, "e2")
+    >>> Manifest.concat("file", [w]).members(0, 2)
+    [('/d/a', 'e1', 3), ('/d/b', 'e2', 4)]
+    """
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Drop every object appended (their memory is freed)."""
+        self.names = bytearray()
+        self.name_ends = array("q")
+        self.etags = bytearray()
+        self.etag_ends = array("q")
+        self.sizes = array("q")
+        self.hashes = array("Q")
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def add(self, url: str, size: int, etag: str) -> None:
+        """Append one object (in the dataset's order)."""
+        self.add_bytes(url.encode(), size, etag.encode())
+
+    def add_bytes(self, url: bytes, size: int, etag: bytes) -> None:
+        # The hash is sample_hash(url, etag), computed from the bytes at hand.
+        digest = hashlib.blake2b(url + b"\0" + etag, digest_size=8).digest()
+        self.names += url
+        self.name_ends.append(len(self.names))
+        self.etags += etag
+        self.etag_ends.append(len(self.etags))
+        self.sizes.append(size)
+        self.hashes.append(int.from_bytes(digest, "little"))
 
 
 class Manifest:
@@ -81,21 +118,52 @@ class Manifest:
         etags: Sequence[str],
     ) -> Manifest:
         """Build from parallel lists (already in the dataset's order)."""
-        names, name_offsets = _blob(urls)
-        etag_blob, etag_offsets = _blob(etags)
-        hashes = np.fromiter(
-            (sample_hash(u, e) for u, e in zip(urls, etags, strict=True)),
-            dtype=np.uint64,
-            count=len(urls),
+        writer = ManifestWriter()
+        for url, size, etag in zip(urls, sizes, etags, strict=True):
+            writer.add(url, int(size), etag)
+        return cls.concat(protocol, [writer])
+
+    @classmethod
+    def concat(cls, protocol: str, parts: Sequence[ManifestWriter]) -> Manifest:
+        """The objects of ``parts``, one after another, as one manifest. Each
+        writer is emptied once copied, so a listing's peak is the manifest
+        plus one part, not two copies of everything."""
+        n = sum(len(p) for p in parts)
+        names = np.empty(sum(len(p.names) for p in parts), np.uint8)
+        etags = np.empty(sum(len(p.etags) for p in parts), np.uint8)
+        name_offsets, etag_offsets = (
+            np.zeros(n + 1, np.int64),
+            np.zeros(n + 1, np.int64),
         )
+        sizes, hashes = np.empty(n, np.int64), np.empty(n, np.uint64)
+        row = name_at = etag_at = 0
+        for part in parts:
+            k, rows = len(part), slice(row + 1, row + len(part) + 1)
+            if k:
+                name_offsets[rows] = np.frombuffer(part.name_ends, np.int64) + name_at
+                etag_offsets[rows] = np.frombuffer(part.etag_ends, np.int64) + etag_at
+                sizes[row : row + k] = np.frombuffer(part.sizes, np.int64)
+                hashes[row : row + k] = np.frombuffer(part.hashes, np.uint64)
+                names[name_at : name_at + len(part.names)] = np.frombuffer(
+                    part.names, np.uint8
+                )
+                etags[etag_at : etag_at + len(part.etags)] = np.frombuffer(
+                    part.etags, np.uint8
+                )
+            row, name_at, etag_at = (
+                row + k,
+                name_at + len(part.names),
+                etag_at + len(part.etags),
+            )
+            part.clear()
         return cls(
             protocol,
             {
                 "names": names,
                 "name_offsets": name_offsets,
-                "etags": etag_blob,
+                "etags": etags,
                 "etag_offsets": etag_offsets,
-                "sizes": np.asarray(sizes, dtype=np.int64),
+                "sizes": sizes,
                 "hashes": hashes,
             },
         )

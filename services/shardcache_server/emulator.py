@@ -19,11 +19,18 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
 from werkzeug.serving import BaseWSGIServer, make_server
 
-__all__ = ["LATENCY_PROFILES", "FaultPlan", "S3Emulator"]
+__all__ = ["LATENCY_PROFILES", "SYNTHETIC_BUCKET", "FaultPlan", "S3Emulator"]
+
+# A bucket named "synthetic-N" lists N objects without storing them (LIST
+# only; benchmarks of listings at 10M objects): keys d{i//10000:05d}/s{i:09d}.bin
+# of SYNTHETIC_SIZE bytes, so a prefix has sub-prefixes of 10,000 keys each.
+SYNTHETIC_BUCKET = "synthetic-"
+SYNTHETIC_PER_DIR = 10_000
+SYNTHETIC_SIZE = 100
 
 Environ = dict[str, Any]
 StartResponse = Callable[..., Any]
@@ -46,6 +53,11 @@ class FaultPlan:
             response byte (the client sees a disconnect).
         stall_rate / stall_s: share of GETs held ``stall_s`` before the first
             byte (a hung connection: the client's per-attempt timeout fires).
+        list_error_rate: share of LIST requests (ListObjectsV2 pages)
+            answered with ``error_status``, so a listing's retries and
+            continuation can be tested.
+        list_latency_s: added before every LIST response (a stated
+            per-request latency for listing benchmarks).
         seed: the random stream deciding which requests fail.
     """
 
@@ -59,6 +71,8 @@ class FaultPlan:
     reset_rate: float = 0.0
     stall_rate: float = 0.0
     stall_s: float = 0.0
+    list_error_rate: float = 0.0
+    list_latency_s: float = 0.0
     seed: int = 0
 
 
@@ -110,6 +124,64 @@ def _drop_connection(
     return []
 
 
+def _synthetic_page(
+    bucket: str, query: str, start_response: StartResponse
+) -> list[bytes]:
+    """One ListObjectsV2 page of the synthetic bucket ``synthetic-N``: the
+    keys are computed from their index, the token is the next index."""
+    args = {k: v[0] for k, v in parse_qs(query, keep_blank_values=True).items()}
+    total = int(bucket[len(SYNTHETIC_BUCKET) :])
+    prefix, max_keys = args.get("prefix", ""), int(args.get("max-keys", 1000))
+    start = int(args.get("continuation-token") or 0)
+    dirs = (total + SYNTHETIC_PER_DIR - 1) // SYNTHETIC_PER_DIR
+    parts = [
+        '<?xml version="1.0" encoding="UTF-8"?><ListBucketResult '
+        'xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+        f"<Name>{bucket}</Name><Prefix>{prefix}</Prefix><MaxKeys>{max_keys}</MaxKeys>"
+    ]
+    if prefix == "" and args.get("delimiter") == "/":
+        stop = min(dirs, start + max_keys)
+        parts += [
+            f"<CommonPrefixes><Prefix>d{d:05d}/</Prefix></CommonPrefixes>"
+            for d in range(start, stop)
+        ]
+        truncated = stop < dirs
+    else:
+        d = int(prefix[1:6]) if prefix.startswith("d") and len(prefix) >= 6 else -1
+        lo = d * SYNTHETIC_PER_DIR if 0 <= d < dirs else total
+        hi = min(total, lo + SYNTHETIC_PER_DIR)
+        first = max(lo, start)
+        stop = min(hi, first + max_keys)
+        parts += [
+            f"<Contents><Key>d{d:05d}/s{i:09d}.bin</Key>"
+            "<LastModified>2026-01-01T00:00:00.000Z</LastModified>"
+            f"<ETag>&quot;{i:032x}&quot;</ETag><Size>{SYNTHETIC_SIZE}</Size>"
+            "<StorageClass>STANDARD</StorageClass></Contents>"
+            for i in range(first, stop)
+        ]
+        truncated = stop < hi
+    parts.append(f"<IsTruncated>{'true' if truncated else 'false'}</IsTruncated>")
+    if truncated:
+        parts.append(f"<NextContinuationToken>{stop}</NextContinuationToken>")
+    parts.append("</ListBucketResult>")
+    body = "".join(parts).encode()
+    start_response(
+        "200 OK",
+        [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))],
+    )
+    return [body]
+
+
+def _object_path(environ: Environ) -> str:
+    """``/bucket/key`` as the client named it. PATH_INFO is already decoded
+    (as latin-1 bytes), so a key holding ``%41`` or unicode would be counted
+    under another name; the raw URI decoded once is the key itself."""
+    raw = environ.get("RAW_URI") or environ.get("REQUEST_URI")
+    if raw is None:
+        return unquote(environ.get("PATH_INFO", ""))
+    return unquote(raw.split("?", 1)[0])
+
+
 class S3Emulator:
     """moto's S3 on ``127.0.0.1:port`` with request counting and fault injection.
 
@@ -126,7 +198,8 @@ class S3Emulator:
         self.get_bytes: Counter[str] = Counter()  # body bytes sent per object
         self.get_times: list[float] = []  # monotonic arrival time of every object GET
         self.requests = 0
-        self.lists = 0  # ListObjectsV2 requests (pages)
+        self.lists = 0  # ListObjectsV2 requests (pages), failed ones included
+        self.list_errors = 0  # of those, answered with an injected error
         self.cpu_s = 0.0  # CPU time the storage side spent serving requests
         self.faults = FaultPlan()
         self._rng = random.Random(0)
@@ -184,6 +257,7 @@ class S3Emulator:
             self.get_times.clear()
             self.requests = 0
             self.lists = 0
+            self.list_errors = 0
             self.cpu_s = 0.0
 
     def set_faults(self, plan: FaultPlan) -> None:
@@ -230,6 +304,8 @@ class S3Emulator:
             is_object_get = (
                 method == "GET" and path.count("/") >= 2 and "list-type" not in query
             )
+            is_list = method == "GET" and "list-type" in query
+            list_fails = False
             with self._lock:
                 self.requests += 1
                 plan = self.faults
@@ -243,10 +319,20 @@ class S3Emulator:
                         math.log(plan.latency_median_s), plan.latency_sigma
                     )
                 if is_object_get:
-                    self.gets[unquote(path)] += 1
+                    self.gets[_object_path(environ)] += 1
                     self.get_times.append(time.monotonic())
-                elif method == "GET" and "list-type" in query:
+                elif is_list:
                     self.lists += 1  # ListObjectsV2 pages
+                    list_fails = self._rng.random() < plan.list_error_rate
+                    self.list_errors += list_fails
+            if is_list:
+                if plan.list_latency_s:
+                    time.sleep(plan.list_latency_s)
+                if list_fails:
+                    return self._error(plan.error_status, start_response)
+                if path.startswith("/" + SYNTHETIC_BUCKET):
+                    return _synthetic_page(path.strip("/"), query, start_response)
+                return app(environ, start_response)
             if not is_object_get:
                 return app(environ, start_response)
             if delay:
@@ -254,24 +340,24 @@ class S3Emulator:
             if reset:
                 return _drop_connection(environ, start_response)
             if roll < plan.error_rate:
-                body = _ERROR_BODY.get(plan.error_status, _ERROR_BODY[500])
-                start_response(
-                    f"{plan.error_status} Error",
-                    [
-                        ("Content-Type", "application/xml"),
-                        ("Content-Length", str(len(body))),
-                    ],
-                )
-                return [body]
+                return self._error(plan.error_status, start_response)
             if truncate:
                 return self._truncated(app, environ, start_response)
             if plan.bandwidth_bytes_per_s:
                 body = _paced(app(environ, start_response), plan.bandwidth_bytes_per_s)
             else:
                 body = app(environ, start_response)
-            return self._counted(body, unquote(path))
+            return self._counted(body, _object_path(environ))
 
         return middleware
+
+    def _error(self, status: int, start_response: StartResponse) -> list[bytes]:
+        body = _ERROR_BODY.get(status, _ERROR_BODY[500])
+        start_response(
+            f"{status} Error",
+            [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))],
+        )
+        return [body]
 
     def _counted(self, body: Iterable[bytes], path: str) -> Iterator[bytes]:
         # Counted as each part is handed to the server, before it is sent: a
@@ -315,6 +401,8 @@ class S3Emulator:
                         "gets": dict(self.gets),
                         "total_gets": self.total_gets,
                         "requests": self.requests,
+                        "lists": self.lists,
+                        "list_errors": self.list_errors,
                         "cpu_s": self.cpu_s,
                         "faults": asdict(self.faults),
                     }

@@ -38,11 +38,13 @@ from shardcache_server.spans import HeldSpans, SpanKeeper
 
 __all__ = [
     "REFRESH_TOKEN_TTL_S",
+    "BudgetSpec",
     "Listed",
     "Listings",
     "RayLister",
     "list_in_thread",
     "list_with_layout",
+    "listing_budget",
 ]
 
 # A token answered this recently is answered again from the same listing: a
@@ -68,19 +70,57 @@ class Listed:
     report: dict[str, int] = field(default_factory=dict)
 
 
+BudgetSpec = dict[str, Any]  # what a listing task needs to reach the source budget
+
+
+def listing_budget(settings: Any) -> BudgetSpec | None:
+    """The source request budget a store's listings share with its GETs
+    (``source_rps``), as plain values a listing task can carry; ``None``
+    when the source has no budget."""
+    if not settings.source_rps:
+        return None
+    return {
+        "redis_url": settings.redis_url,
+        "namespace": settings.namespace,
+        "rate": settings.source_rps,
+        "burst": settings.source_burst,
+    }
+
+
+def _budget(spec: BudgetSpec | None) -> Any:
+    if spec is None:
+        return None
+    from shardcache.index import RedisIndex
+    from shardcache_server.budget import RequestBudget
+
+    index = RedisIndex.from_url(spec["redis_url"], spec["namespace"])
+    return RequestBudget(index, spec["rate"], spec["burst"])
+
+
 def list_with_layout(
-    spec: dict[str, Any], previous: Manifest | None, keeper: SpanKeeper | None = None
+    spec: dict[str, Any],
+    previous: Manifest | None,
+    keeper: SpanKeeper | None = None,
+    budget: BudgetSpec | None = None,
 ) -> Manifest:
     """List ``spec["urls"]`` and cut it into chunks.
 
     When the URLs are the ones ``previous`` listed, its chunks are kept, so a
     changed object changes only its own chunk's version (a new size must
     not move every later chunk boundary). ``keeper`` receives the units'
-    bytes a packed listing reads whole (tar).
+    bytes a packed listing reads whole (tar). ``budget`` (from
+    :func:`listing_budget`): every LIST request takes a token of it.
+
+    The manifest exists only once the whole source is listed: a listing
+    that fails or dies halfway publishes nothing, and the next request for
+    the dataset lists again from the start.
     """
+    source_budget = _budget(budget)
     if spec.get("format"):
-        return list_packed(spec, previous, keeper)  # type: ignore[return-value]
-    manifest = list_source(spec["urls"], spec.get("storage_options") or {})
+        return list_packed(spec, previous, keeper, source_budget)  # type: ignore[return-value]
+    manifest = list_source(
+        spec["urls"], spec.get("storage_options") or {}, source_budget
+    )
     if (
         isinstance(previous, Manifest)
         and "chunk_starts" in previous.columns
@@ -104,7 +144,9 @@ Lister = Callable[[dict[str, Any], Any, int], Awaitable[Listed]]
 _DONE = object()  # the listing thread finished (its result or error is in the job)
 
 
-def _list_task(spec: dict[str, Any], previous: Any, room_bytes: int) -> Iterator[Any]:
+def _list_task(
+    spec: dict[str, Any], previous: Any, room_bytes: int, budget: BudgetSpec | None
+) -> Iterator[Any]:
     """The listing as a streaming task: yields each kept unit's bytes as it
     is read, then the manifest object, then ``{digest, versions, report}``.
 
@@ -123,7 +165,7 @@ def _list_task(spec: dict[str, Any], previous: Any, room_bytes: int) -> Iterator
     )
     versions, sizes = [], []
     with ThreadPoolExecutor(1, thread_name_prefix="listing") as pool:
-        job = pool.submit(list_with_layout, spec, prev, keeper)
+        job = pool.submit(list_with_layout, spec, prev, keeper, budget)
         job.add_done_callback(lambda _: found.put(_DONE))
         while (item := found.get()) is not _DONE:
             versions.append(item[0])
@@ -145,8 +187,10 @@ class RayLister:
     a per-object Python object (1M objects listed in-process left ~200 B
     each of heap)."""
 
-    def __init__(self, node_id: str):
+    def __init__(self, node_id: str, budget: BudgetSpec | None = None):
         import ray
+
+        self._budget = budget
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self._task = ray.remote(_list_task).options(
@@ -163,7 +207,8 @@ class RayLister:
 
         from shardcache.errors import ShardCacheError
 
-        refs = [ref async for ref in self._task.remote(spec, previous, room_bytes)]
+        task = self._task.remote(spec, previous, room_bytes, self._budget)
+        refs = [ref async for ref in task]
         try:
             tail = await refs[-1]
         except ray.exceptions.RayTaskError as exc:
@@ -179,7 +224,9 @@ class RayLister:
         return Listed(refs[-2], tail["digest"], spans, tail["report"])
 
 
-def list_in_thread(put: Callable[[Any], Any]) -> Lister:
+def list_in_thread(
+    put: Callable[[Any], Any], budget: BudgetSpec | None = None
+) -> Lister:
     """A lister for tests without Ray: list in a thread, ``put`` the arrays."""
 
     async def run(spec: dict[str, Any], previous: Any, room_bytes: int) -> Listed:
@@ -194,7 +241,7 @@ def list_in_thread(put: Callable[[Any], Any]) -> Lister:
 
         options = dict(spec.get("format_options") or {})
         keeper = SpanKeeper(room_bytes, keep, options)
-        listed = await asyncio.to_thread(list_with_layout, spec, prev, keeper)
+        listed = await asyncio.to_thread(list_with_layout, spec, prev, keeper, budget)
         return Listed(put(listed.to_object()), listed.digest, spans, keeper.report())
 
     return run

@@ -1,15 +1,25 @@
 """Turn an fsspec URL (prefix, glob, or list) into an ordered manifest of objects.
 
-One listing call per distinct prefix gives every object's size and version
-(the ETag on S3, ``fs.ukey`` elsewhere); there is never one HEAD per object.
-The result is a compact :class:`~shardcache.manifest.Manifest` (arrays).
-Only stores list: a dataset is listed once per cluster and published.
+A listing streams: objects arrive page by page (S3 ListObjectsV2 pages of
+1,000, a local directory at a time) and are appended to compact columns
+(:class:`~shardcache.manifest.ManifestWriter`), never held as a list of
+dicts. The prefix is listed one level down with delimiter ``/`` and each
+sub-prefix is listed concurrently (a bounded pool); the parts are joined
+in byte order of their names, so the manifest's order (the keys sorted)
+never depends on which part finished first. Sizes and versions come from
+the listing itself (the ETag on S3, the mtime on local files), never one
+HEAD per object. Only stores list: a dataset is listed once per cluster.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import posixpath
-from collections.abc import Sequence
+import random
+import re
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shardcache.errors import (
@@ -18,12 +28,20 @@ from shardcache.errors import (
     RemoteFetchError,
     SourceNotFound,
 )
-from shardcache.manifest import Manifest
+from shardcache.manifest import Manifest, ManifestWriter
 from shardcache.source import open_remote
 
-__all__ = ["list_source"]
+__all__ = ["LIST_CONCURRENCY", "LIST_PAGE_KEYS", "LIST_RETRIES", "list_source"]
 
 _GLOB_CHARS = "*?["
+LIST_CONCURRENCY = 16  # sub-prefixes listed at once (each one request in flight)
+LIST_RETRIES = 8  # a page answered 503/5xx is asked again this often, then fails
+_BACKOFF_S, _BACKOFF_MAX_S = 0.05, 5.0  # doubling, with full jitter
+LIST_PAGE_KEYS = 1000  # keys per ListObjectsV2 page (S3's maximum)
+_S3 = ("s3", "s3a")
+_RETRYABLE_STATUS = (500, 502, 503, 504)
+
+Accept = Callable[[str], bool]  # a path filter (glob, wanted set)
 
 
 def _version_of(fs: Any, info: dict[str, Any]) -> str:
@@ -35,43 +53,358 @@ def _version_of(fs: Any, info: dict[str, Any]) -> str:
     return f"size-{info.get('size')}"
 
 
-def _list_one(fs: Any, path: str, url: str) -> dict[str, dict[str, Any]]:
-    try:
-        if any(c in path for c in _GLOB_CHARS):
-            found = fs.glob(path, detail=True)
+def _not_found(url: str) -> SourceNotFound:
+    return SourceNotFound(
+        f"source {url!r} does not exist (bucket or prefix not found). "
+        "Check the URL and storage_options (endpoint, credentials)."
+    )
+
+
+def _failed(url: str, exc: BaseException) -> RemoteFetchError:
+    if isinstance(exc, PermissionError):
+        return RemoteFetchError(
+            f"permission denied listing {url!r}; check the credentials in "
+            "storage_options."
+        )
+    return RemoteFetchError(
+        f"listing {url!r} failed: {type(exc).__name__}: {exc}. Check the "
+        "credentials and endpoint in storage_options."
+    )
+
+
+def _is_backend_error(exc: BaseException) -> bool:
+    root = type(exc).__module__.split(".")[0]
+    return root in ("botocore", "aiobotocore", "aiohttp")
+
+
+# -- the order: names sorted as bytes, a sub-prefix where its name + "/" sorts ------
+def _dir_key(name: str) -> bytes:
+    # "a/x" sorts after "a.txt" ("." < "/"): a directory takes its place as
+    # "a/", so walking sorted levels gives exactly the keys sorted as bytes.
+    return name.encode(errors="surrogateescape") + b"/"
+
+
+class _Parts:
+    """The parts of one level in their final order: runs of objects listed at
+    this level and, between them, the sub-prefixes (listed later, maybe
+    concurrently) whose writers fill their slots."""
+
+    def __init__(self) -> None:
+        self.slots: list[ManifestWriter] = [ManifestWriter()]
+        self.prefixes: list[tuple[str, int]] = []  # (sub-prefix, its slot)
+
+    @property
+    def here(self) -> ManifestWriter:
+        return self.slots[-1]
+
+    def prefix(self, path: str) -> None:
+        self.prefixes.append((path, len(self.slots)))
+        self.slots += [ManifestWriter(), ManifestWriter()]
+
+
+# -- local files: os.scandir, one directory at a time ------------------------------
+def _scan(path: str) -> list[bytes]:
+    """One directory's names, sorted as the keys sort (a directory's name
+    ends in ``/``). Only the names are held, ~60 B each: a level of 10,000
+    files is ~0.6 MB while it is walked, whatever the dataset's size."""
+    with os.scandir(path) as it:
+        level = [_dir_key(e.name) if e.is_dir() else os.fsencode(e.name) for e in it]
+    level.sort()
+    return level
+
+
+def _add_local(out: ManifestWriter, path: str, accept: Accept) -> None:
+    if not accept(path):
+        return
+    st = os.stat(path)
+    # The version is str(st_mtime), as fsspec's info() gives it: fetch.py
+    # compares a read file's version the same way.
+    out.add_bytes(os.fsencode(path), st.st_size, str(st.st_mtime).encode())
+
+
+def _walk_local(path: str, out: ManifestWriter, accept: Accept) -> None:
+    stack = [(path, iter(_scan(path)))]
+    while stack:
+        here, names = stack[-1]
+        for name in names:
+            child = os.path.join(here, os.fsdecode(name.rstrip(b"/")))
+            if name.endswith(b"/"):
+                stack.append((child, iter(_scan(child))))
+                break
+            _add_local(out, child, accept)
         else:
-            found = fs.find(path, detail=True)
-            if not found and fs.isfile(path):
-                found = {path: fs.info(path)}
-            elif not found and not fs.exists(path):
-                raise FileNotFoundError(path)
-    except FileNotFoundError as exc:
-        raise SourceNotFound(
-            f"source {url!r} does not exist (bucket or prefix not found). "
-            "Check the URL and storage_options (endpoint, credentials)."
-        ) from exc
-    except PermissionError as exc:
-        raise RemoteFetchError(
-            f"permission denied listing {url!r}; check the credentials in storage_options."
-        ) from exc
+            stack.pop()
+
+
+def _list_local(root: str, accept: Accept, url: str) -> list[ManifestWriter]:
+    if os.path.isfile(root):
+        out = ManifestWriter()
+        _add_local(out, root, accept)
+        return [out]
+    if not os.path.isdir(root):
+        raise _not_found(url)
+    parts = _Parts()
+    try:
+        for name in _scan(root):
+            child = os.path.join(root, os.fsdecode(name.rstrip(b"/")))
+            if name.endswith(b"/"):
+                parts.prefix(child)
+            else:
+                _add_local(parts.here, child, accept)
+        with ThreadPoolExecutor(min(LIST_CONCURRENCY, 8)) as pool:
+            list(
+                pool.map(
+                    lambda ps: _walk_local(ps[0], parts.slots[ps[1]], accept),
+                    parts.prefixes,
+                )
+            )
     except OSError as exc:
-        raise RemoteFetchError(f"listing {url!r} failed: {exc}") from exc
-    except Exception as exc:  # botocore/aiohttp errors s3fs did not map
-        if type(exc).__module__.split(".")[0] not in (
-            "botocore",
-            "aiobotocore",
-            "aiohttp",
-        ):
+        raise _failed(url, exc) from exc
+    return parts.slots
+
+
+# -- any other fsspec filesystem: ls one level at a time ---------------------------
+def _list_generic(fs: Any, root: str, accept: Accept, url: str) -> list[ManifestWriter]:
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+
+    def level(path: str) -> list[tuple[bytes, dict[str, Any]]]:
+        found = fs.ls(path, detail=True)
+        keyed = [
+            (
+                _dir_key(posixpath.basename(i["name"].rstrip("/")))
+                if i.get("type") == "directory"
+                else posixpath.basename(i["name"]).encode(),
+                i,
+            )
+            for i in found
+        ]
+        return sorted(keyed, key=lambda e: e[0])
+
+    def add(info: dict[str, Any]) -> None:
+        if accept(info["name"]):
+            url = _to_url(protocol, info["name"])
+            out.add(url, int(info["size"]), _version_of(fs, info))
+
+    def walk(path: str) -> None:
+        for _, info in level(path):
+            if info.get("type") == "directory":
+                walk(info["name"])
+            else:
+                add(info)
+
+    out = ManifestWriter()
+    try:
+        if fs.isfile(root):
+            add(fs.info(root))
+        elif not fs.exists(root):
+            raise _not_found(url)
+        else:
+            walk(root)
+    except FileNotFoundError as exc:
+        raise _not_found(url) from exc
+    except OSError as exc:
+        raise _failed(url, exc) from exc
+    return [out]
+
+
+# -- S3: ListObjectsV2 pages, continuation tokens, sub-prefixes in parallel ---------
+async def _pages(
+    client: Any,
+    bucket: str,
+    prefix: str,
+    url: str,
+    budget: Any,
+    delimiter: bool = False,
+) -> AsyncIterator[dict[str, Any]]:
+    """The ListObjectsV2 pages of ``prefix``, one request each. Every request
+    takes a token of the source's budget (shared with the GETs); a page
+    answered 503 SlowDown (or another 5xx, or a dropped connection) is asked
+    again with the same continuation token after a backoff, so the listing
+    continues where it stopped instead of starting over."""
+    from botocore.exceptions import ClientError
+
+    token, failures = None, 0
+    while True:
+        kw: dict[str, Any] = {
+            "Bucket": bucket,
+            "Prefix": prefix,
+            "MaxKeys": LIST_PAGE_KEYS,
+        }
+        if delimiter:
+            kw["Delimiter"] = "/"
+        if token:
+            kw["ContinuationToken"] = token
+        if budget is not None:
+            await budget.acquire(url)
+        try:
+            page = await client.list_objects_v2(**kw)
+        except ClientError as exc:
+            error = exc.response.get("Error", {})
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if error.get("Code") in ("NoSuchBucket", "NoSuchKey") or status == 404:
+                raise _not_found(url) from exc
+            if status in (401, 403) or error.get("Code") == "AccessDenied":
+                raise _failed(url, PermissionError(str(exc))) from exc
+            if status not in _RETRYABLE_STATUS or failures >= LIST_RETRIES:
+                raise _failed(url, exc) from exc
+            if budget is not None:
+                await budget.throttled(url)
+            failures += 1
+            await asyncio.sleep(_backoff_s(failures))
+            continue
+        except Exception as exc:  # dropped connections, timeouts (aiohttp/botocore)
+            if not (_is_backend_error(exc) or isinstance(exc, OSError)):
+                raise
+            if failures >= LIST_RETRIES:
+                raise _failed(url, exc) from exc
+            failures += 1
+            await asyncio.sleep(_backoff_s(failures))
+            continue
+        failures = 0
+        yield page
+        if not page.get("IsTruncated"):
+            return
+        token = page["NextContinuationToken"]
+
+
+def _backoff_s(failures: int) -> float:
+    return random.uniform(0, min(_BACKOFF_MAX_S, _BACKOFF_S * 2**failures))
+
+
+def _add_s3(
+    out: ManifestWriter, head: bytes, obj: dict[str, Any], accept: Accept, path: str
+) -> None:
+    if obj["Key"].endswith("/") or not accept(path):
+        return  # a "directory" marker object, or filtered out
+    etag = str(obj.get("ETag", "")).strip('"') or f"size-{obj['Size']}"
+    out.add_bytes(head + obj["Key"].encode(), int(obj["Size"]), etag.encode())
+
+
+async def _list_s3_async(
+    options: dict[str, Any],
+    protocol: str,
+    root: str,
+    accept: Accept,
+    url: str,
+    budget: Any,
+) -> list[ManifestWriter]:
+    import s3fs
+
+    bucket, _, key = root.partition("/")
+    head = f"{protocol}://{bucket}/".encode()
+    options = dict(options)
+    # One retry policy, ours (as fetch.py): botocore would otherwise retry a
+    # 503 underneath, unseen by the shared budget.
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+    options["config_kwargs"] = config
+    fs = s3fs.S3FileSystem(asynchronous=True, skip_instance_cache=True, **options)
+    client = await fs.set_session()
+    try:
+        prefix = key.rstrip("/") + "/" if key else ""
+        parts = _Parts()
+        sem = asyncio.Semaphore(LIST_CONCURRENCY)
+
+        listed = [0]  # keys seen, filtered or not (nothing at all: not found)
+
+        async def one_prefix(sub: str, out: ManifestWriter) -> None:
+            async with sem:
+                async for page in _pages(client, bucket, sub, url, budget):
+                    listed[0] += len(page.get("Contents", ()))
+                    for obj in page.get("Contents", ()):
+                        _add_s3(out, head, obj, accept, f"{bucket}/{obj['Key']}")
+
+        tasks = []
+        async for page in _pages(client, bucket, prefix, url, budget, True):
+            # A page's keys and sub-prefixes are each sorted; interleave them
+            # by name so each sub-prefix's slot sits where its keys sort.
+            listed[0] += len(page.get("Contents", ()))
+            entries = [(o["Key"].encode(), o) for o in page.get("Contents", ())]
+            entries += [
+                (p["Prefix"].encode(), None) for p in page.get("CommonPrefixes", ())
+            ]
+            entries.sort(key=lambda e: e[0])
+            for name, obj in entries:
+                if obj is None:
+                    parts.prefix(name.decode())
+                    sub, slot = parts.prefixes[-1]
+                    tasks.append(
+                        asyncio.ensure_future(one_prefix(sub, parts.slots[slot]))
+                    )
+                else:
+                    _add_s3(parts.here, head, obj, accept, f"{bucket}/{obj['Key']}")
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+        if key and not any(len(s) for s in parts.slots) and not listed[0]:
+            # Nothing under "key/": the URL may name one object.
+            async for page in _pages(client, bucket, key, url, budget):
+                for obj in page.get("Contents", ()):
+                    if obj["Key"] == key:
+                        listed[0] += 1
+                        _add_s3(parts.here, head, obj, accept, root)
+                break
+            if not listed[0]:
+                raise _not_found(url)
+        return parts.slots
+    finally:
+        # The session's sockets closed now, not by a finaliser on another loop.
+        await fs._s3creator.__aexit__(None, None, None)
+
+
+def _list_s3(
+    fs: Any, root: str, accept: Accept, url: str, options: dict[str, Any], budget: Any
+) -> list[ManifestWriter]:
+    from fsspec.asyn import get_loop, sync
+
+    protocol = url.split("://", 1)[0]
+    try:
+        return sync(
+            get_loop(), _list_s3_async, options, protocol, root, accept, url, budget
+        )
+    except (SourceNotFound, RemoteFetchError, ConfigError):
+        raise
+    except Exception as exc:
+        if not (_is_backend_error(exc) or isinstance(exc, OSError)):
             raise
-        raise RemoteFetchError(
-            f"listing {url!r} failed: {type(exc).__name__}: {exc}. Check the "
-            "credentials and endpoint in storage_options."
-        ) from exc
-    return {p: i for p, i in found.items() if i.get("type", "file") == "file"}
+        raise _failed(url, exc) from exc
+
+
+# -- one URL: prefix, glob or object -----------------------------------------------
+def _glob_root(path: str) -> tuple[str, Accept]:
+    from fsspec.utils import glob_translate
+
+    first = min(path.index(c) for c in _GLOB_CHARS if c in path)
+    root = path[: path.rfind("/", 0, first) + 1] or "/"
+    pattern = re.compile(glob_translate(path))
+    return root, lambda p: pattern.match(p) is not None
+
+
+def _list_one(
+    fs: Any,
+    path: str,
+    url: str,
+    protocol: str,
+    options: dict[str, Any],
+    budget: Any,
+    accept: Accept | None = None,
+) -> list[ManifestWriter]:
+    if any(c in path for c in _GLOB_CHARS):
+        path, accept = _glob_root(path)
+    keep: Accept = accept or (lambda _p: True)
+    if protocol in _S3:
+        return _list_s3(fs, path, keep, url, options, budget)
+    if protocol in ("file", "local"):
+        return _list_local(os.path.normpath(path) if path != "/" else path, keep, url)
+    return _list_generic(fs, path, keep, url)
 
 
 def list_source(
-    urls: str | Sequence[str], storage_options: dict[str, Any] | None = None
+    urls: str | Sequence[str],
+    storage_options: dict[str, Any] | None = None,
+    budget: Any = None,
 ) -> Manifest:
     """List ``urls`` into a deterministic, sorted :class:`Manifest`.
 
@@ -81,56 +414,75 @@ def list_source(
             parent prefix once.
         storage_options: passed to fsspec, e.g. ``{"client_kwargs":
             {"endpoint_url": ...}}``.
+        budget: the source's shared request budget
+            (:class:`~shardcache_server.budget.RequestBudget`): every LIST
+            request takes a token, as GETs do. Defaults to ``None``: no limit.
 
     Raises:
         ConfigError: bad URL or scheme.
         SourceNotFound: the bucket or prefix does not exist.
         EmptyDatasetError: nothing matched.
-        RemoteFetchError: the listing call failed.
+        RemoteFetchError: the listing failed (after retrying 5xx pages).
     """
     url_list = [urls] if isinstance(urls, str) else list(urls)
     if not url_list:
         raise ConfigError(
             "urls is an empty list; pass a prefix, a glob or object URLs."
         )
-    fs, _ = open_remote(url_list[0], storage_options)
+    options = dict(storage_options or {})
+    fs, _ = open_remote(url_list[0], options)
     protocol = url_list[0].split("://", 1)[0] if "://" in url_list[0] else "file"
-    objects: dict[str, tuple[int, str]] = {}
     if isinstance(urls, str):
-        _, path = open_remote(urls, storage_options)
-        for p, info in _list_one(fs, path, urls).items():
-            objects[p] = (int(info["size"]), _version_of(fs, info))
+        _, path = open_remote(urls, options)
+        parts = _list_one(fs, path, urls, protocol, options, budget)
+        manifest = Manifest.concat(protocol, parts)
     else:
-        wanted: dict[str, list[str]] = {}
-        for url in url_list:
-            _, path = open_remote(url, storage_options)
-            wanted.setdefault(posixpath.dirname(path), []).append(path)
-        for parent, paths in wanted.items():
-            listed = _list_one(fs, parent, parent)
-            missing = [p for p in paths if p not in listed]
-            if missing:
-                raise SourceNotFound(
-                    f"{len(missing)} listed object(s) do not exist, e.g. "
-                    f"{_to_url(protocol, missing[0])!r}. Remove them from urls."
-                )
-            for p in paths:
-                info = listed[p]
-                objects[p] = (int(info["size"]), _version_of(fs, info))
-    if not objects:
+        manifest = _list_urls(fs, url_list, protocol, options, budget)
+    if not len(manifest):
         raise EmptyDatasetError(
             f"source {url_list[0]!r} lists no objects. Check the prefix or glob; "
             "a prefix must end with the directory name, e.g. s3://bucket/train/."
         )
-    ordered = sorted(objects)
-    return Manifest.from_entries(
-        protocol,
-        [_to_url(protocol, p) for p in ordered],
-        [objects[p][0] for p in ordered],
-        [objects[p][1] for p in ordered],
-    )
+    return manifest
+
+
+def _list_urls(
+    fs: Any, url_list: list[str], protocol: str, options: dict[str, Any], budget: Any
+) -> Manifest:
+    """A list of object URLs: each distinct parent listed once, filtered to
+    the wanted ones (the caller already holds their names)."""
+    wanted: dict[str, set[str]] = {}
+    for url in url_list:
+        _, path = open_remote(url, options)
+        wanted.setdefault(posixpath.dirname(path), set()).add(path)
+    found: dict[str, tuple[int, str]] = {}
+    for parent, paths in wanted.items():
+        for part in _list_one(
+            fs, parent, parent, protocol, options, budget, paths.__contains__
+        ):
+            listed = Manifest.concat(protocol, [part])
+            for i in range(len(listed)):
+                found[_path_of(protocol, listed.url(i))] = (
+                    listed.size(i),
+                    listed.etag(i),
+                )
+        missing = sorted(p for p in paths if p not in found)
+        if missing:
+            raise SourceNotFound(
+                f"{len(missing)} listed object(s) do not exist, e.g. "
+                f"{_to_url(protocol, missing[0])!r}. Remove them from urls."
+            )
+    out = ManifestWriter()
+    for path in sorted(found, key=lambda p: p.encode(errors="surrogateescape")):
+        out.add(_to_url(protocol, path), *found[path])
+    return Manifest.concat(protocol, [out])
 
 
 def _to_url(protocol: str, path: str) -> str:
     if protocol in ("file", "local"):
         return path
     return f"{protocol}://{path}"
+
+
+def _path_of(protocol: str, url: str) -> str:
+    return url if protocol in ("file", "local") else url.split("://", 1)[1]

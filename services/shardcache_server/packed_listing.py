@@ -27,10 +27,10 @@ _LISTING_THREADS = 16  # files opened at once (footers, headers: latency-bound)
 
 
 def _files(
-    spec: dict[str, Any], extensions: tuple[str, ...]
+    spec: dict[str, Any], extensions: tuple[str, ...], budget: Any = None
 ) -> list[tuple[str, int, str]]:
     """``(url, size, etag)`` of the source's files of this format, in order."""
-    listed = list_source(spec["urls"], spec.get("storage_options") or {})
+    listed = list_source(spec["urls"], spec.get("storage_options") or {}, budget)
     if spec["format"] == "lmdb":
         # A database is a directory holding data.mdb (or a single .mdb file).
         found = []
@@ -69,12 +69,16 @@ def _dataset_units(spec: dict[str, Any], chunk_samples: int) -> list[FileUnits]:
 
 
 def list_packed(
-    spec: dict[str, Any], previous: Any, keeper: SpanKeeper | None = None
+    spec: dict[str, Any],
+    previous: Any,
+    keeper: SpanKeeper | None = None,
+    budget: Any = None,
 ) -> PackedManifest:
     """List ``spec`` (with ``format``, ``format_options``) into a PackedManifest.
 
     With ``keeper``, a format that reads whole units while listing (tar)
     hands their bytes to it, so builds need not read them again (spans.py).
+    ``budget``: the source's request budget, taken by every LIST request.
 
     Raises:
         ConfigError: unknown format.
@@ -89,7 +93,7 @@ def list_packed(
         units = _dataset_units(spec, chunk_samples)
         return PackedManifest.from_files(protocol, DATASET_FORMAT, units, options)
     fmt = get_format(spec["format"])
-    files = _files(spec, fmt.extensions)
+    files = _files(spec, fmt.extensions, budget)
     storage_options = spec.get("storage_options") or {}
     fs, _ = open_remote(files[0][0], storage_options)
     kept: dict[str, tuple[FileUnits, bytes]] = {}

@@ -13,7 +13,7 @@ from typing import Any
 
 from shardcache.errors import ConfigError
 from shardcache_server.builder import BuildRequest, RayChunkBuilder
-from shardcache_server.listing import Listed, RayLister
+from shardcache_server.listing import Listed, RayLister, listing_budget
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.store.shard import CacheShard
 
@@ -68,7 +68,8 @@ class RayCacheShard(CacheShard):
     async def _list_on_node(
         self, spec: dict[str, Any], previous: Any, room_bytes: int
     ) -> Listed:
-        return await RayLister(self.node_id)(spec, previous, room_bytes)
+        lister = RayLister(self.node_id, listing_budget(self.settings))
+        return await lister(spec, previous, room_bytes)
 
 
 def start_shard(settings: ServiceSettings, node_id: str) -> Any:

@@ -25,7 +25,7 @@ from shardcache import keys
 from shardcache.errors import StaleVersionError
 from shardcache_server.eviction import SamplerOrder, make_policy
 from shardcache_server.index import ClusterIndex
-from shardcache_server.listing import Lister, list_in_thread
+from shardcache_server.listing import Lister, list_in_thread, listing_budget
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.spans import SPAN_BUDGET_SHARE
 from shardcache_server.store.checks import ContentChecks
@@ -90,7 +90,7 @@ class CacheShard:
             self._records,
             peer=peer,
             get=get,
-            lister=lister or list_in_thread(put),
+            lister=lister or list_in_thread(put, listing_budget(self.settings)),
             span_budget_bytes=int(self.settings.cache_bytes * SPAN_BUDGET_SHARE),
         )
         self._spill = (

@@ -1,0 +1,217 @@
+"""The streaming listing: order, odd keys, 503s mid-listing, the shared budget,
+and a listing that fails halfway never published."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardcache.errors import RemoteFetchError
+from shardcache.manifest import sample_hash
+from shardcache_server import objects
+from shardcache_server.emulator import FaultPlan
+from shardcache_server.fetch import Fetcher
+from shardcache_server.listing import Listings, list_in_thread
+from shardcache_server.objects import _version_of, list_source
+
+# Names that trip URL encoding, sorting or byte lengths: a space, unicode,
+# "%" (alone and as a fake escape), "+", "?"/"&"/"=", a very long name, and
+# "a.txt" beside the directory "a/" ("." sorts before "/").
+ODD_NAMES = [
+    "a b.bin",
+    "ünï/çødé ☃.bin",
+    "100%.bin",
+    "%41%2F.bin",
+    "+plus.bin",
+    "q?x=1&y.bin",
+    "a.txt",
+    "a/b.bin",
+    "a/c/d.bin",
+    "z" * 200 + ".bin",
+]
+
+
+def _expected(fs: Any, root: str, protocol: str) -> list[tuple[str, int, str]]:
+    found = fs.find(root, detail=True)
+    head = "" if protocol == "file" else f"{protocol}://"
+    return [
+        (head + p, int(i["size"]), _version_of(fs, i))
+        for p, i in sorted(found.items())
+        if i["type"] == "file"
+    ]
+
+
+def _rows(manifest: Any) -> list[tuple[str, int, str]]:
+    return [
+        (manifest.url(i), manifest.size(i), manifest.etag(i))
+        for i in range(len(manifest))
+    ]
+
+
+def test_list_source_local_odd_names_in_sorted_order(tmp_path: Path) -> None:
+    import fsspec
+
+    root = tmp_path / "odd"
+    for i, name in enumerate(ODD_NAMES):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(b"x" * (i + 1))
+    manifest = list_source(f"{root}/")
+    fs = fsspec.filesystem("file")
+    assert _rows(manifest) == _expected(fs, str(root), "file")
+    assert len(manifest) == len(ODD_NAMES)
+    for i in range(len(manifest)):  # read back through the listed URL
+        assert Path(manifest.url(i)).read_bytes() == b"x" * manifest.size(i)
+        assert int(manifest.hashes[i]) == sample_hash(manifest.url(i), manifest.etag(i))
+
+
+def test_list_source_s3_odd_keys_listed_read_and_counted_once(
+    s3: Any, s3fs_client: Any, bucket: str
+) -> None:
+    names = [*ODD_NAMES, "k" * 900 + ".bin"]  # S3 keys go to 1,024 bytes
+    data = {f"{bucket}/odd/{n}": os.urandom(i + 1) for i, n in enumerate(names)}
+    s3fs_client.pipe(data)
+    s3.reset_counts()
+    manifest = list_source(f"s3://{bucket}/odd/", s3.storage_options())
+    assert _rows(manifest) == _expected(s3fs_client, f"{bucket}/odd/", "s3")
+    assert s3.total_gets == 0
+
+    async def read_all() -> list[bytes]:
+        fetcher = Fetcher(
+            "s3", s3.storage_options(), concurrency=4, retries=1,
+            backoff_s=0.01, backoff_max_s=0.1, timeout_s=10,
+        )  # fmt: skip
+        return await asyncio.gather(
+            *(fetcher.fetch(*_rows(manifest)[i][:1], manifest.size(i), manifest.etag(i))
+              for i in range(len(manifest)))
+        )  # fmt: skip
+
+    got = asyncio.run(read_all())
+    assert got == [data[manifest.url(i)[len("s3://") :]] for i in range(len(manifest))]
+    assert sorted(s3.gets) == sorted(f"/{k}" for k in data)  # each key once
+    assert set(s3.gets.values()) == {1}
+
+
+def test_list_source_s3_sub_prefixes_merge_in_key_order(
+    s3: Any, s3fs_client: Any, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Sub-prefixes of different sizes finish in any order; the manifest is
+    # the keys sorted, whatever the timing.
+    monkeypatch.setattr(objects, "LIST_PAGE_KEYS", 3)
+    keys = [
+        f"p/{d}/{i:03d}"
+        for d in ("b", "a", "c-", "c")
+        for i in range(7 if d == "a" else 2)
+    ]
+    keys += ["p/a.txt", "p/top", "p/c.bin"]
+    s3fs_client.pipe({f"{bucket}/{k}": k.encode() for k in keys})
+    s3.set_faults(FaultPlan(list_latency_s=0.01))
+    manifest = list_source(f"s3://{bucket}/p/", s3.storage_options())
+    assert manifest.urls() == sorted(f"s3://{bucket}/{k}" for k in keys)
+    assert manifest.sizes.tolist() == [
+        len(u) - len(f"s3://{bucket}/") for u in manifest.urls()
+    ]
+
+
+def test_list_source_503_pages_back_off_and_continue_from_their_token(
+    s3: Any, s3fs_client: Any, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(objects, "LIST_PAGE_KEYS", 5)
+    monkeypatch.setattr(objects, "_BACKOFF_MAX_S", 0.05)
+    keys = [f"flat/{i:04d}" for i in range(60)]  # one level: 12 pages
+    s3fs_client.pipe({f"{bucket}/{k}": b"v" for k in keys})
+    s3.reset_counts()
+    s3.set_faults(FaultPlan(list_error_rate=0.3, error_status=503, seed=3))
+    manifest = list_source(f"s3://{bucket}/flat/", s3.storage_options())
+    assert manifest.urls() == [f"s3://{bucket}/{k}" for k in keys]
+    assert s3.list_errors > 0
+    # Every page was answered once: a 503 re-asked its own page, never page 1.
+    assert s3.lists - s3.list_errors == 12
+
+
+def test_list_source_takes_the_shared_budget_and_halves_it_on_503(
+    s3: Any, s3fs_client: Any, bucket: str, redis_url: str, redis: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    from shardcache.index import RedisIndex
+    from shardcache_server.budget import RequestBudget
+
+    monkeypatch.setattr(objects, "LIST_PAGE_KEYS", 5)
+    monkeypatch.setattr(objects, "_BACKOFF_MAX_S", 0.05)
+    s3fs_client.pipe({f"{bucket}/b/{i:03d}": b"v" for i in range(30)})
+    # A ceiling of 1 request/s with a burst of 1,000: no request waits, and
+    # the bucket refills by at most one token per second of listing.
+    budget = RequestBudget(RedisIndex.from_url(redis_url, "listbudget"), 1.0, 1000)
+    key = f"s3://{bucket}/b/"
+    s3.set_faults(FaultPlan(list_error_rate=0.4, seed=5))
+    started = time.monotonic()
+    manifest = list_source(key, s3.storage_options(), budget=budget)
+    refilled = time.monotonic() - started + 1
+    assert len(manifest) == 30
+    tokens = float(redis.hget(budget.key(key), "tokens"))
+    assert s3.list_errors > 0
+    assert tokens <= 1000 - s3.lists + refilled  # every LIST request took a token
+    assert budget.current_rate(key) < 1.0  # the 503s throttled the source
+
+
+def test_listing_failed_halfway_is_never_published_and_next_attempt_lists_all(
+    s3: Any, s3fs_client: Any, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(objects, "LIST_PAGE_KEYS", 4)
+    monkeypatch.setattr(objects, "LIST_RETRIES", 0)
+    keys = [f"h/{d:02d}/{i}" for d in range(12) for i in range(9)]
+    s3fs_client.pipe({f"{bucket}/{k}": b"v" for k in keys})
+    listings = Listings(lambda ref: ref, list_in_thread(lambda value: value))
+    spec = {
+        "name": "half",
+        "urls": f"s3://{bucket}/h/",
+        "storage_options": s3.storage_options(),
+    }
+    s3.set_faults(FaultPlan(list_error_rate=0.08, error_status=500, seed=2))
+    with pytest.raises(RemoteFetchError, match="listing"):
+        asyncio.run(listings.publish(spec))
+    assert s3.lists - s3.list_errors > 1  # pages were listed before it failed
+    assert listings.published("half", "") is None
+    s3.set_faults(FaultPlan())
+    _, _, manifest = asyncio.run(listings.publish(spec))
+    assert manifest.urls() == sorted(f"s3://{bucket}/{k}" for k in keys)
+
+
+def test_store_listing_draws_on_the_source_rps_budget(
+    s3: Any, s3fs_client: Any, bucket: str, redis_url: str, redis: Any
+) -> None:
+    from shardcache_server.budget import RequestBudget
+    from shardcache_server.listing import list_with_layout, listing_budget
+    from shardcache_server.settings import ServiceSettings
+
+    s3fs_client.pipe({f"{bucket}/s/{i}": b"v" for i in range(3)})
+    settings = ServiceSettings(
+        redis_url=redis_url, namespace="lb", source_rps=1.0, source_burst=50
+    )
+    assert listing_budget(ServiceSettings(redis_url=redis_url)) is None
+    url = f"s3://{bucket}/s/"
+    spec = {"urls": url, "storage_options": s3.storage_options()}
+    manifest = list_with_layout(spec, None, None, listing_budget(settings))
+    assert len(manifest) == 3
+    budget = RequestBudget(_index(redis_url, "lb"), 1.0, 50)
+    assert float(redis.hget(budget.key(url), "tokens")) < 50  # the LIST took one
+
+
+def _index(redis_url: str, namespace: str) -> Any:
+    from shardcache.index import RedisIndex
+
+    return RedisIndex.from_url(redis_url, namespace)
+
+
+def test_emulator_synthetic_bucket_lists_computed_pages(s3: Any) -> None:
+    # 20,001 keys in 3 sub-prefixes of 10,000: pages computed, nothing stored.
+    manifest = list_source("s3://synthetic-20001/", s3.storage_options())
+    assert len(manifest) == 20001
+    assert manifest.url(0) == "s3://synthetic-20001/d00000/s000000000.bin"
+    assert manifest.url(20000) == "s3://synthetic-20001/d00002/s000020000.bin"
+    assert set(manifest.sizes.tolist()) == {100}
+    assert s3.lists == 1 + 10 + 10 + 1  # the level, then pages of 1,000 keys
