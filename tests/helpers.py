@@ -7,8 +7,8 @@ import sys
 import ray
 import ray.cloudpickle
 
-from shardcache.client import CacheClient
 from shardcache.config import ClientConfig
+from shardcache.transport.direct import CacheClient
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

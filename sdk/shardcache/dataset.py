@@ -17,10 +17,8 @@ from torch.utils.data import Dataset, get_worker_info
 
 from shardcache.changes import describe_changes
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
-from shardcache.client import CacheClient
 from shardcache.config import ClientConfig
 from shardcache.decoders import as_arrays, raw_bytes
-from shardcache.endpoint import open_client
 from shardcache.errors import (
     ConfigError,
     IndexUnavailable,
@@ -41,6 +39,8 @@ from shardcache.reader import ChunkReader
 from shardcache.resume import apply_state, current_node, gather_states, merge_states
 from shardcache.sampler import ShardSampler
 from shardcache.source import open_remote
+from shardcache.transport.direct import CacheClient
+from shardcache.transport.read_path import open_client
 from shardcache.usage import ORIGINS, UsageReader, UsageReporter
 from shardcache.waits import WaitRecorder
 from shardcache.warmup import warm_chunks

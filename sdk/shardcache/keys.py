@@ -55,6 +55,7 @@ __all__ = [
     "usage_job_series_key",
     "usage_jobs_key",
     "usage_key",
+    "usage_prefix",
     "usage_rank_key",
     "usage_ranks_key",
     "usage_seq_key",
@@ -172,6 +173,11 @@ def usage_ranks_key(ns: str, ds: str) -> str:
 def usage_rank_key(ns: str, ds: str, member: str) -> str:
     """``member`` is ``job/rank`` as listed in :func:`usage_ranks_key`."""
     return f"{prefix(ns)}:usage:{ds}:rank:{member}"
+
+
+def usage_prefix(ns: str) -> str:
+    """The start of every usage key: what a rank may touch through an endpoint."""
+    return f"{prefix(ns)}:usage:"
 
 
 def usage_seq_key(ns: str, ds: str, reporter: str) -> str:

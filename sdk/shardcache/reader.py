@@ -23,10 +23,10 @@ import torch
 from shardcache import errors
 from shardcache.checksum import check_resolved
 from shardcache.chunks import PLAIN_FIELD, Chunk, batch_shape, gather
-from shardcache.client import CacheClient
-from shardcache.endpoint import ProxyClient
 from shardcache.errors import ShardCacheError
 from shardcache.manifest import Manifest
+from shardcache.transport.direct import CacheClient
+from shardcache.transport.proxy import ProxyClient
 
 __all__ = ["ChunkReader"]
 

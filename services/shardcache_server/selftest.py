@@ -31,10 +31,10 @@ def run_selftest(
     import ray
     import s3fs
 
-    from shardcache.client import CacheClient
     from shardcache.config import ClientConfig
     from shardcache.embedded import attach_ray
     from shardcache.index import RedisIndex
+    from shardcache.transport.direct import CacheClient
     from shardcache_server.datagen import upload_blobs
     from shardcache_server.emulator import S3Emulator
     from shardcache_server.warm import warm_dataset

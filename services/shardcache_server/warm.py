@@ -210,7 +210,7 @@ def warm_dataset(
                     counts["already_cached"] += n
                 progress.advance(task, n)
     if first_error is not None:
-        from shardcache.client import raise_item_error
+        from shardcache.transport.direct import raise_item_error
 
         raise_item_error(*first_error)
     return {

@@ -99,7 +99,7 @@ def test_second_job_in_new_process_reuses_cache_with_zero_reads(
     s3.reset_counts()
     script = textwrap.dedent(f"""
         import ray
-        from shardcache.client import CacheClient
+        from shardcache.transport.direct import CacheClient
         from shardcache.config import ClientConfig
         from shardcache.decoders import raw_bytes
         ray.init(address={ray_cluster.address!r}, log_to_driver=False)

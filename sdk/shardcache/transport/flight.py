@@ -27,8 +27,9 @@ import numpy as np
 
 from shardcache.chunk_file import read_chunk_buffer
 from shardcache.config import ClientConfig
-from shardcache.endpoint import ProxyClient, raise_reply_error
 from shardcache.errors import ConfigError, EndpointUnavailable
+from shardcache.transport.proxy import ProxyClient
+from shardcache.transport.wire import raise_reply_error
 
 __all__ = ["FlightClient"]
 

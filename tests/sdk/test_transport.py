@@ -10,21 +10,20 @@ import numpy as np
 import pytest
 
 from shardcache.chunk_file import read_chunk_buffer, write_chunk_file
-from shardcache.client import CacheClient
 from shardcache.config import ClientConfig
 from shardcache.decoders import raw_bytes
-from shardcache.endpoint import (
-    EndpointClient,
-    _map_fd,
+from shardcache.errors import ConfigError, EndpointUnavailable
+from shardcache.fingerprint import fingerprint
+from shardcache.transport.direct import CacheClient
+from shardcache.transport.flight import FlightClient
+from shardcache.transport.read_path import open_client
+from shardcache.transport.unix import EndpointClient, _map_fd
+from shardcache.transport.wire import (
     callable_name,
     load_callable,
-    open_client,
     recv_frame,
     send_frame,
 )
-from shardcache.errors import ConfigError, EndpointUnavailable
-from shardcache.fingerprint import fingerprint
-from shardcache.remote import FlightClient
 
 
 def test_endpoint_frames_carry_json_and_read_only_descriptors(tmp_path):
@@ -110,7 +109,7 @@ def test_remote_chunk_bytes_are_viewed_in_place_unless_a_column_would_be_misalig
 ):
     import pyarrow as pa
 
-    from shardcache.remote import _columns
+    from shardcache.transport.flight import _columns
 
     for dtype, copied in ((np.uint8, False), (np.int64, True)):
         path = tmp_path / f"{np.dtype(dtype).name}.chunk"

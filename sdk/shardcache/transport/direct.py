@@ -1,4 +1,4 @@
-"""A process's handle on the cache: the Redis index plus its node's store."""
+"""The direct transport: a Ray process reads its node's store and the Redis index."""
 
 from __future__ import annotations
 
