@@ -39,7 +39,6 @@ from shardcache.reader import ChunkReader
 from shardcache.resume import apply_state, current_node, gather_states, merge_states
 from shardcache.sampler import ShardSampler
 from shardcache.source import open_remote
-from shardcache.transport.direct import CacheClient
 from shardcache.transport.read_path import open_client
 from shardcache.usage import ORIGINS, UsageReader, UsageReporter
 from shardcache.waits import WaitRecorder
@@ -377,7 +376,7 @@ class DistributedCachedDataset(Dataset[Any]):
                 source_version=source_version or "",
             )
         self._client = open_client(self.config)
-        if source_dataset is not None and not isinstance(self._client, CacheClient):
+        if source_dataset is not None and not self._client.needs_ray:
             raise ConfigError(
                 "from_dataset ships the Dataset object to the cache workers through "
                 "Ray, so it needs a process on a Ray node (Ray Train, or torchrun on "
@@ -580,7 +579,7 @@ class DistributedCachedDataset(Dataset[Any]):
             return self._reader
         if self._pid != os.getpid():
             self._client = open_client(self.config)
-            if isinstance(self._client, CacheClient) and _ray_inherited_by_fork():
+            if self._client.needs_ray and _ray_inherited_by_fork():
                 raise ConfigError(
                     "this DataLoader worker was forked from a process connected to "
                     "Ray, and Ray cannot be used after fork (its calls would hang). "

@@ -13,6 +13,7 @@ import urllib.request
 from rich.console import Console
 
 from shardcache.errors import BackendError, ShardUnavailable
+from shardcache.transport.base import Status
 
 __all__ = ["run_selftest"]
 
@@ -74,9 +75,9 @@ def run_selftest(
         )
         ray.get([ref for _, ref in results])
         statuses = {s for s, _ in results}
-        if statuses - {"hit", "remote-hit"}:
+        if statuses - {Status.HIT, Status.REMOTE_HIT}:
             raise ShardUnavailable(
-                f"selftest: second read was not all hits: {sorted(statuses)}"
+                f"selftest: second read was not all hits: {sorted(map(str, statuses))}"
             )
         console.print(f"cache: {SELFTEST_OBJECTS} objects warmed and read back as hits")
     finally:

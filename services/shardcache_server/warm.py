@@ -24,6 +24,7 @@ from shardcache.manifest import Manifest
 from shardcache.packed_manifest import format_of, objects_preprocess
 from shardcache.sampler import first_steps
 from shardcache.sharding import assign_chunks
+from shardcache.transport.base import Status
 from shardcache_server.cluster import ensure_stores
 from shardcache_server.preprocess import get_preprocessor
 from shardcache_server.settings import ServiceSettings
@@ -201,10 +202,10 @@ def warm_dataset(
             group = pending.pop(done[0])
             for c, res in zip(group, ray.get(done[0]), strict=True):
                 n = int(sizes[c])
-                if res[0] == "error":
+                if res[0] == Status.ERROR:
                     counts["errors"] += n
                     first_error = first_error or (res[1], res[2])
-                elif res[0] in ("fetched", "uncached"):
+                elif res[0] in (Status.FETCHED, Status.UNCACHED):
                     counts["fetched"] += n
                 else:
                     counts["already_cached"] += n

@@ -1,5 +1,5 @@
-"""The node-local endpoint's client side without a cluster: the wire format over a
-real socket pair, how the read path is chosen, and preprocess by name."""
+"""The transports without a cluster: the wire format over a real socket pair, how
+the read path is chosen, preprocess by name, and the Transport protocol's cut."""
 
 from __future__ import annotations
 
@@ -10,10 +10,14 @@ import numpy as np
 import pytest
 
 from shardcache.chunk_file import read_chunk_buffer, write_chunk_file
+from shardcache.chunks import FAILED
 from shardcache.config import ClientConfig
 from shardcache.decoders import raw_bytes
-from shardcache.errors import ConfigError, EndpointUnavailable
+from shardcache.errors import ConfigError, EndpointUnavailable, ShardCacheError
 from shardcache.fingerprint import fingerprint
+from shardcache.manifest import Manifest
+from shardcache.reader import ChunkReader
+from shardcache.transport.base import Status, Transport
 from shardcache.transport.direct import CacheClient
 from shardcache.transport.flight import FlightClient
 from shardcache.transport.read_path import open_client
@@ -120,3 +124,78 @@ def test_remote_chunk_bytes_are_viewed_in_place_unless_a_column_would_be_misalig
         assert columns["_"].tolist() == np.arange(24).reshape(4, 6).tolist()
         assert columns["_"].flags.aligned
         assert np.shares_memory(columns["_"], np.frombuffer(raw, np.uint8)) != copied
+
+
+def test_transport_every_client_implements_the_protocol(tmp_path):
+    clients = [
+        CacheClient(ClientConfig()),
+        EndpointClient(ClientConfig(), str(tmp_path / "endpoint.sock")),
+        FlightClient(ClientConfig(remote_url="grpc://10.0.0.1:8815")),
+    ]
+    assert [isinstance(c, Transport) for c in clients] == [True, True, True]
+    assert [(c.needs_ray, c.remote) for c in clients] == [
+        (True, False),
+        (False, False),
+        (False, True),
+    ]
+
+
+class _ListTransport:
+    """A transport over chunks held in a dict: what a test double needs to
+    implement for the reader, and nothing else (the cut of transport/base.py)."""
+
+    needs_ray = False
+    remote = False
+    index = None
+    redis_url = ""
+    retryable_errors = (ShardCacheError,)
+
+    def __init__(self, chunks: dict[str, dict[str, np.ndarray]]):
+        self.config = ClientConfig()
+        self.chunks = chunks
+        self.calls: list[list[str]] = []
+
+    def manifest(self, spec, token=""):
+        raise NotImplementedError
+
+    def manifest_of(self, name, digest):
+        raise NotImplementedError
+
+    def map_manifest(self, handle):
+        return handle
+
+    def register(self, spec, preprocess, target=None):
+        pass
+
+    def resolve(self, name, generation, items, digest=None):
+        self.calls.append([key for key, _, _ in items])
+        status = Status.FETCHED if len(self.calls) == 1 else Status.HIT
+        return [(status, self.chunks[key]) for key, _, _ in items]
+
+    def drop_corrupt(self, name, generation, chunk, version):
+        return False
+
+
+def test_transport_a_test_double_drives_the_reader_and_statuses_count_as_origins():
+    manifest = Manifest.from_entries(
+        "file", [f"/d/{i}" for i in range(6)], [4] * 6, ["e"] * 6
+    )
+    manifest.columns["chunk_starts"] = np.array([0, 3, 6])
+    transport = _ListTransport(
+        {
+            "c0": {"_": np.arange(3)[:, None] * [1, 1], FAILED: np.zeros(3, bool)},
+            "c1": {"_": np.arange(3, 6)[:, None] * [1, 1], FAILED: np.zeros(3, bool)},
+        }
+    )
+    assert isinstance(transport, Transport)
+    reader = ChunkReader(transport, "ds", manifest, manifest.digest, 2**20, 5.0)
+    reader.use_generation(1)
+    indices = np.array([5, 0, 4])
+    chunk_ids, rows = reader.locate(indices)
+    chunks = reader.chunks_for(chunk_ids)
+    batch = reader.collate(chunks, chunk_ids, rows, indices, pin_memory=False)
+    assert batch[:, 0].tolist() == [5, 0, 4]
+    assert reader.count(chunk_ids, indices)["source"] == 3  # Status.FETCHED
+    reader.new_epoch()
+    assert reader.count(chunk_ids, indices)["local"] == 3  # held since
+    assert transport.calls == [["c0", "c1"]]  # one call for the batch's chunks

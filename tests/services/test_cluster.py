@@ -106,7 +106,7 @@ def test_second_job_in_new_process_reuses_cache_with_zero_reads(
         client = CacheClient(ClientConfig(redis_url={redis_url!r}, namespace={namespace!r}))
         client.register({spec!r}, raw_bytes)
         results = client.get_refs("ds", 1, {items!r})
-        print(sorted(set(s for s, _ in results)))
+        print(sorted(set(str(s) for s, _ in results)))
     """)
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=180

@@ -1,5 +1,6 @@
 """How a process reaches the cache: one module per transport, and the choice among them.
 
+* ``base.py``: the ``Transport`` protocol (where the cut is) and chunk ``Status``.
 * ``direct.py``: ``CacheClient``, a Ray process reading its node's store.
 * ``proxy.py``: ``ProxyClient``, the requests both cache-worker transports send.
 * ``unix.py``: ``EndpointClient``, this node's endpoint over a Unix socket.

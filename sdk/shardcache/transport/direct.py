@@ -12,6 +12,7 @@ from shardcache.errors import ConfigError, ShardCacheError, ShardUnavailable
 from shardcache.index import RedisIndex
 from shardcache.manifest import Manifest
 from shardcache.starters import store_starter
+from shardcache.transport.base import Status
 
 __all__ = ["CacheClient", "DatasetSpec"]
 
@@ -53,6 +54,7 @@ class CacheClient:
         config: where Redis and Ray are. Nothing connects until first use.
     """
 
+    needs_ray = True
     remote = False  # chunks come from this node's object store (or Ray moves them)
 
     def __init__(self, config: ClientConfig | None = None):
@@ -267,7 +269,7 @@ class CacheClient:
                     timeout=self.config.request_timeout_s,
                 )
             )
-            if results and results[0][0] == "unregistered":
+            if results and results[0][0] == Status.UNREGISTERED:
                 spec, fns = self._registered[name]
                 spec = {**spec, "generation": generation}
                 self._call(
@@ -277,7 +279,7 @@ class CacheClient:
                 )
                 continue
             for res in results:
-                if res[0] == "error":
+                if res[0] == Status.ERROR:
                     raise_item_error(res[1], res[2])
             return [(r[0], r[1]) for r in results]
         raise ShardUnavailable(

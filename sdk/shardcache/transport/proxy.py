@@ -117,13 +117,14 @@ class _ProxyIndex:
 
 
 class ProxyClient:
-    """A ``CacheClient`` stand-in whose cluster is reached through a cache worker.
+    """A :class:`Transport` whose cluster is reached through a cache worker.
 
     Subclasses provide ``call(op, **args)`` (one request, one JSON reply) and
     ``_chunks`` / ``_manifest_columns`` (the bytes). ``remote`` marks chunks
     that crossed the network (their samples count as ``peer``).
     """
 
+    needs_ray = False
     remote = False
 
     def __init__(self, config: ClientConfig):
@@ -158,7 +159,7 @@ class ProxyClient:
                 f"the index is reached through the cache worker: {exc}"
             ) from exc
 
-    # the CacheClient interface -----------------------------------------------------
+    # the Transport interface ---------------------------------------------------------
     @property
     def retryable_errors(self) -> tuple[type[Exception], ...]:
         """Errors a background prefetch swallows (the loop asks again)."""
@@ -237,4 +238,3 @@ class ProxyClient:
 def _manifest(columns: dict[str, np.ndarray], meta: dict[str, Any]) -> Manifest:
     fmt = {"format": str(meta["format"])} if "format" in meta else {}
     return Manifest.from_object({"protocol": str(meta["protocol"]), **fmt, **columns})
-

@@ -57,4 +57,3 @@ def open_client(config: ClientConfig) -> Any:
             config, DEFAULT_SOCKET, "SHARDCACHE_ENDPOINT not set and no socket mounted"
         )
     return CacheClient(config)
-

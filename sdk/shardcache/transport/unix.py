@@ -169,4 +169,3 @@ def endpoint_unavailable(
         "allow_remote=True (SHARDCACHE_ALLOW_REMOTE) with SHARDCACHE_REMOTE_URL "
         "to stream from another node."
     )
-

@@ -171,5 +171,3 @@ def load_callable(name: str, fp: str, label: str) -> Callable[..., Any]:
             "(fingerprints differ); run the same version of that module on both."
         )
     return found
-
-

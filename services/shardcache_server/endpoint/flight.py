@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from shardcache.errors import ConfigError
+from shardcache.transport.base import Status
 from shardcache_server.endpoint.service import Endpoint
 
 __all__ = ["FlightService", "serve_flight"]
@@ -87,7 +88,7 @@ class FlightService(flight.FlightServerBase):
         if "error" in reply:
             table = pa.table(
                 {
-                    "status": ["error"],
+                    "status": [Status.ERROR],
                     "error": [json.dumps(reply["error"])],
                     "data": pa.array([b""], pa.large_binary()),
                 },

@@ -27,6 +27,7 @@ from shardcache.config import ClientConfig
 from shardcache.errors import ConfigError, ShardCacheError
 from shardcache.index import RedisIndex
 from shardcache.keys import usage_prefix
+from shardcache.transport.base import Status
 from shardcache.transport.direct import CacheClient
 from shardcache.transport.wire import (
     DEFAULT_SOCKET,
@@ -200,7 +201,7 @@ class Endpoint:
                     (self.settings.namespace, name, generation, key, version),
                     lambda columns=columns: columns,
                     {"dataset": name, "chunk": key, "version": version},
-                    keep=status != "uncached",
+                    keep=status != Status.UNCACHED,
                 )
             )
         return {"statuses": statuses}, files
@@ -246,5 +247,3 @@ def _ok(result: Any) -> dict[str, Any]:
 
 def _error(exc: ShardCacheError) -> dict[str, Any]:
     return {"error": {"type": type(exc).__name__, "message": str(exc)}}
-
-

@@ -117,5 +117,3 @@ class ShmFiles:
                 path.unlink(missing_ok=True)
             self._files.clear()
             self._bytes = 0
-
-

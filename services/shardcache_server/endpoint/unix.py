@@ -61,4 +61,3 @@ def serve_unix(endpoint: Endpoint) -> _UnixServer:
     server = _UnixServer(str(path), endpoint)
     os.chmod(path, endpoint.settings.endpoint_socket_mode)
     return server
-

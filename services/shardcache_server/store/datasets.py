@@ -17,8 +17,8 @@ from shardcache_server.builder import BuildRequest
 __all__ = ["Builder", "Dataset", "Item", "Result", "chunk_index"]
 
 Item = tuple[str, str, int]  # (chunk key, chunk version, source bytes)
-# ("hit"|"fetched"|"remote-hit"|"uncached", ref) or ("error", class, message)
-# or ("unregistered",) when the store lost the dataset's preprocess (restart).
+# (Status.HIT|FETCHED|REMOTE_HIT|UNCACHED, ref) or (Status.ERROR, class, message)
+# or (Status.UNREGISTERED,) when the store lost the dataset's preprocess (restart).
 Result = tuple[Any, ...]
 Builder = Callable[[BuildRequest], Awaitable[tuple[Any, dict[str, Any]]]]
 
