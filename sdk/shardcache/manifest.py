@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 
 from shardcache.chunks import ChunkLayout, plan_chunks
+from shardcache.keys import chunk_key
 
-__all__ = ["ChunkItem", "Manifest", "chunk_key", "sample_hash"]
+__all__ = ["ChunkItem", "Manifest", "sample_hash"]
 
 ChunkItem = tuple[
     str, str, int
@@ -31,11 +32,6 @@ def sample_hash(url: str, etag: str) -> int:
     """64-bit identity of one object version: changes with the URL or the ETag."""
     digest = hashlib.blake2b(f"{url}\0{etag}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
-
-
-def chunk_key(chunk: int) -> str:
-    """The name of chunk ``chunk`` in the index (entries and owner claims)."""
-    return f"c{chunk}"
 
 
 def _mix(x: np.ndarray) -> np.ndarray:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from shardcache.decoders import raw_bytes
+from shardcache.keys import parse_chunk_key
 from shardcache_server.emulator import FaultPlan
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.store import CacheShard
@@ -383,7 +384,7 @@ def test_shard_survives_mixed_source_faults_with_bounded_retries(
     out = _run(scenario())
     assert [res[0] for _, res in out] == ["fetched"] * len(items)
     for (key, _version, _size), res in out:
-        i = int(key[1:])  # one object per chunk: chunk i is object i
+        i = parse_chunk_key(key)  # one object per chunk: chunk i is object i
         assert bytes(res[1]) == bytes([i]) * 100
     # Faults cost retries, bounded by 1 + fetch_retries attempts per object
     # (twice that for dropped connections, which aiohttp re-sends once).

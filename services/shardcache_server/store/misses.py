@@ -17,10 +17,11 @@ from collections.abc import Callable
 from typing import Any
 
 from shardcache.errors import BackendError, ConfigError, ShardCacheError
+from shardcache.keys import parse_chunk_key
 from shardcache.transport.base import Status
 from shardcache_server.builder import BuildRequest
 from shardcache_server.settings import ServiceSettings
-from shardcache_server.store.datasets import Builder, Dataset, Item, Result, chunk_index
+from shardcache_server.store.datasets import Builder, Dataset, Item, Result
 from shardcache_server.store.manifests import Manifests
 from shardcache_server.store.records import IndexRecords
 from shardcache_server.store.spill import Spill
@@ -177,7 +178,8 @@ class MissResolver:
             )
             self._settle(key, (Status.UNCACHED, ref))
             return
-        lo, hi = ds.manifest.layout.bounds(chunk_index(chunk))
+        index = parse_chunk_key(chunk)
+        lo, hi = ds.manifest.layout.bounds(index)
         admitted = self._table.generation[ds.name] == generation and self._admit(
             ds.name,
             generation,
@@ -189,7 +191,7 @@ class MissResolver:
                 report["nbytes"],
                 ds.manifest.row_hashes(lo, hi).copy(),
             ),
-            ds.manifest.chunk_source_bytes(chunk_index(chunk)),
+            ds.manifest.chunk_source_bytes(index),
         )
         # UNCACHED tells the reader not to hold on to the value: the budget is
         # full (static policy, or a chunk larger than the whole budget).
@@ -335,9 +337,9 @@ class MissResolver:
         Raises:
             ConfigError: the chunk is not in the dataset's listing.
         """
-        index = chunk_index(chunk)
+        index = parse_chunk_key(chunk)
         layout = ds.manifest.layout
-        if not 0 <= index < len(layout):
+        if index >= len(layout):
             raise ConfigError(
                 f"chunk {chunk!r} is not in dataset {ds.name!r} ({len(layout)} chunks); "
                 "the rank and the store read different listings. Call refresh()."
