@@ -23,7 +23,6 @@ import torch
 from shardcache import errors
 from shardcache.checksum import check_resolved
 from shardcache.chunks import PLAIN_FIELD, Chunk, batch_shape, gather
-from shardcache.errors import ShardCacheError
 from shardcache.manifest import Manifest
 from shardcache.transport.base import Status, Transport
 
@@ -241,10 +240,7 @@ class ChunkReader:
             if chunk.has_failures and chunk.failed[row]:
                 kind, message = chunk.error(row) or ("RemoteFetchError", "")
                 url = self.manifest.url(int(indices[j]))
-                cls = getattr(errors, kind, errors.RemoteFetchError)
-                if not (isinstance(cls, type) and issubclass(cls, ShardCacheError)):
-                    cls = errors.RemoteFetchError
-                raise cls(
+                raise errors.error_type(kind, errors.RemoteFetchError)(
                     f"sample {int(indices[j])} ({url!r}) could not be built: {message}"
                 )
 

@@ -17,7 +17,7 @@ from shardcache.config import ClientConfig
 from shardcache.dataset import default_name
 from shardcache.decoders import as_arrays, raw_bytes
 from shardcache.embedded import attach_ray, local_redis_url
-from shardcache.errors import ConfigError, ShardUnavailable
+from shardcache.errors import ConfigError, ShardUnavailable, error_type
 from shardcache.fingerprint import dataset_fingerprint
 from shardcache.index import RedisIndex
 from shardcache.manifest import Manifest
@@ -211,9 +211,8 @@ def warm_dataset(
                     counts["already_cached"] += n
                 progress.advance(task, n)
     if first_error is not None:
-        from shardcache.transport.direct import raise_item_error
-
-        raise_item_error(*first_error)
+        kind, message = first_error
+        raise error_type(kind)(message)
     return {
         "dataset": name,
         "generation": generation,

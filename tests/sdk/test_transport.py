@@ -199,3 +199,15 @@ def test_transport_a_test_double_drives_the_reader_and_statuses_count_as_origins
     reader.new_epoch()
     assert reader.count(chunk_ids, indices)["local"] == 3  # held since
     assert transport.calls == [["c0", "c1"]]  # one call for the batch's chunks
+
+
+def test_transport_an_error_crosses_the_wire_as_its_own_type_and_never_as_a_builtin():
+    from shardcache.errors import BackendError, SourceNotFound
+    from shardcache.transport.wire import error_reply, raise_reply_error
+
+    with pytest.raises(SourceNotFound, match="gone"):
+        raise_reply_error(error_reply(SourceNotFound("gone")))
+    with pytest.raises(BackendError, match="boom") as err:
+        raise_reply_error({"error": {"type": "SystemExit", "message": "boom"}})
+    assert type(err.value) is BackendError
+    raise_reply_error({"result": 1})  # no error: returns

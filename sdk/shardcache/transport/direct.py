@@ -17,9 +17,6 @@ from shardcache.transport.base import Status
 __all__ = ["CacheClient", "DatasetSpec"]
 
 STORE_RETRIES = 3  # a restarted store is re-registered and asked again
-_ERRORS: dict[str, type[ShardCacheError]] = {
-    name: getattr(errors, name) for name in errors.__all__
-}
 
 # name, urls, protocol, storage_options, fingerprint, generation, manifest digest,
 # chunk_bytes, chunk_samples
@@ -40,11 +37,6 @@ def _pickle_main_by_value(fn: Callable[..., Any]) -> None:
     module = sys.modules.get(getattr(target, "__module__", "") or "")
     if module is not None and module.__name__ in ("__main__", "__mp_main__"):
         ray.cloudpickle.register_pickle_by_value(module)
-
-
-def raise_item_error(kind: str, message: str) -> None:
-    """Re-raise an error a store reported for one item as our own type."""
-    raise _ERRORS.get(kind, errors.BackendError)(message)
 
 
 class CacheClient:
@@ -280,7 +272,7 @@ class CacheClient:
                 continue
             for res in results:
                 if res[0] == Status.ERROR:
-                    raise_item_error(res[1], res[2])
+                    raise errors.error_type(res[1])(res[2])
             return [(r[0], r[1]) for r in results]
         raise ShardUnavailable(
             f"the store kept losing dataset {name!r}; see the store logs."

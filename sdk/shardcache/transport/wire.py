@@ -29,6 +29,7 @@ __all__ = [
     "MAX_FDS_PER_FRAME",
     "callable_name",
     "close_all",
+    "error_reply",
     "load_callable",
     "raise_reply_error",
     "recv_frame",
@@ -101,10 +102,12 @@ def raise_reply_error(reply: dict[str, Any]) -> None:
     err = reply.get("error")
     if not err:
         return
-    cls = getattr(errors, str(err.get("type")), None)
-    if not (isinstance(cls, type) and issubclass(cls, errors.ShardCacheError)):
-        cls = errors.BackendError
-    raise cls(str(err.get("message")))
+    raise errors.error_type(str(err.get("type")))(str(err.get("message")))
+
+
+def error_reply(exc: errors.ShardCacheError) -> dict[str, Any]:
+    """The reply that carries ``exc`` to the rank (:func:`raise_reply_error`)."""
+    return {"error": {"type": type(exc).__name__, "message": str(exc)}}
 
 
 def callable_name(fn: Callable[..., Any] | None, label: str) -> str | None:

@@ -33,6 +33,7 @@ from shardcache.transport.wire import (
     DEFAULT_SOCKET,
     INDEX_OPS,
     MAX_FDS_PER_FRAME,
+    error_reply,
     load_callable,
 )
 from shardcache.usage import APPLY_SCRIPT
@@ -121,10 +122,10 @@ class Endpoint:
         try:
             return self._dispatch(op, message)
         except ShardCacheError as exc:
-            return _error(exc), []
+            return error_reply(exc), []
         except Exception as exc:  # a reply, never a dead connection
             log.exception("endpoint %s failed", op)
-            return _error(
+            return error_reply(
                 errors.BackendError(f"the cache endpoint failed on {op}: {exc!r}")
             ), []
 
@@ -244,6 +245,3 @@ class Endpoint:
 def _ok(result: Any) -> dict[str, Any]:
     return {"result": result}
 
-
-def _error(exc: ShardCacheError) -> dict[str, Any]:
-    return {"error": {"type": type(exc).__name__, "message": str(exc)}}
