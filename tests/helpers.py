@@ -22,8 +22,8 @@ class Reader:
             ClientConfig(redis_url=redis_url, namespace=namespace)
         )
 
-    def register(self, spec, preprocess):
-        self.client.register(spec, preprocess)
+    def install(self, spec, preprocess):
+        self.client.install(spec, preprocess)
 
     def read(self, name, generation, items, digest=None):
         results = self.client.get_refs(name, generation, items, digest)

@@ -587,7 +587,7 @@ class DistributedCachedDataset(Dataset[Any]):
                     "DataLoader, or iterate ds.loader(batch_size) in the rank."
                 )
             self._reset_process_state()
-        self._client.register(self._store_spec(), self.preprocess, self.target)
+        self._client.install(self._store_spec(), self.preprocess, self.target)
         if self.manifest is None:
             self.manifest = self._map_manifest(
                 self._client.manifest_of(self.name, self.digest)
@@ -931,7 +931,7 @@ class DistributedCachedDataset(Dataset[Any]):
             stale_chunks = np.unique(self._reader.layout.chunk_of(changed))
             self._reader.set_manifest(manifest, digest)
             self._reader.drop_chunks(stale_chunks.tolist())
-            self._client.register(self._store_spec(), self.preprocess, self.target)
+            self._client.install(self._store_spec(), self.preprocess, self.target)
         return [manifest.url(int(i)) for i in changed]
 
     def _refresh_packed(
@@ -950,7 +950,7 @@ class DistributedCachedDataset(Dataset[Any]):
         if self._reader is not None:
             self._reader.set_manifest(manifest, digest)
             self._reader.drop_chunks(stale.tolist())
-            self._client.register(self._store_spec(), self.preprocess, self.target)
+            self._client.install(self._store_spec(), self.preprocess, self.target)
         return manifest.changed_files(old)
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:

@@ -99,7 +99,7 @@ def warm_dataset(
         raise ShardUnavailable("no alive Ray node to warm into.")
     index = RedisIndex.from_url(redis_url, namespace)
     if like is not None:
-        spec, fn, target_fn = _registered(handles, like)
+        spec, fn, target_fn = _installed(handles, like)
         name, url = name or like, spec["urls"]
         spec = {**spec, "name": name}
     else:
@@ -146,7 +146,7 @@ def warm_dataset(
     spec.update(generation=generation, manifest=digest)
     _unwrap(
         lambda: ray.get(
-            [h.register.remote(spec, fn, target_fn) for h in handles.values()]
+            [h.install.remote(spec, fn, target_fn) for h in handles.values()]
         )
     )
     layout = manifest.layout
@@ -258,11 +258,11 @@ def _unwrap(call: Any) -> Any:
         raise
 
 
-def _registered(handles: dict[str, Any], name: str) -> tuple[dict[str, Any], Any, Any]:
+def _installed(handles: dict[str, Any], name: str) -> tuple[dict[str, Any], Any, Any]:
     """The spec and callables a job registered ``name`` with, from any store."""
     import ray
 
-    for found in ray.get([h.registered.remote(name) for h in handles.values()]):
+    for found in ray.get([h.installed.remote(name) for h in handles.values()]):
         if found:
             spec, fn, target = found
             return spec, fn, target

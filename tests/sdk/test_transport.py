@@ -164,7 +164,7 @@ class _ListTransport:
     def map_manifest(self, handle):
         return handle
 
-    def register(self, spec, preprocess, target=None):
+    def install(self, spec, preprocess, target=None):
         pass
 
     def resolve(self, name, generation, items, digest=None):

@@ -41,7 +41,7 @@ class Status(enum.StrEnum):
     REMOTE_HIT = "remote-hit"  # held by another node's store
     FETCHED = "fetched"  # read from the source for this request, now held
     UNCACHED = "uncached"  # read from the source, not held (the policy said no)
-    UNREGISTERED = "unregistered"  # the store does not know the dataset (restarted)
+    UNINSTALLED = "uninstalled"  # the store lost the dataset's install (restarted)
     ERROR = "error"  # the item failed: the result carries (error type, message)
 
     @property
@@ -99,7 +99,7 @@ class Transport(Protocol):
         """The :class:`Manifest` behind a handle (zero-copy where it can)."""
         ...
 
-    def register(
+    def install(
         self,
         spec: dict[str, Any],
         preprocess: Callable[[bytes], Any],

@@ -54,7 +54,7 @@ class CacheClient:
         self._index: RedisIndex | None = None
         self._redis_url: str | None = self.config.redis_url
         self._store: Any = None
-        self._registered: dict[str, tuple[DatasetSpec, tuple[Any, ...]]] = {}
+        self._installed: dict[str, tuple[DatasetSpec, tuple[Any, ...]]] = {}
 
     # -- connections -------------------------------------------------------------
     @property
@@ -201,7 +201,7 @@ class CacheClient:
             )
         )
 
-    def register(
+    def install(
         self,
         spec: DatasetSpec,
         preprocess: Callable[[bytes], Any],
@@ -215,11 +215,11 @@ class CacheClient:
         if target is not None:
             _pickle_main_by_value(target)
         fns = (preprocess, target)
-        self._registered[spec["name"]] = (spec, fns)
+        self._installed[spec["name"]] = (spec, fns)
         try:
             self._call(
                 lambda: ray.get(
-                    self._store.register.remote(spec, *fns),
+                    self._store.install.remote(spec, *fns),
                     timeout=self.config.request_timeout_s,
                 )
             )
@@ -261,12 +261,12 @@ class CacheClient:
                     timeout=self.config.request_timeout_s,
                 )
             )
-            if results and results[0][0] == Status.UNREGISTERED:
-                spec, fns = self._registered[name]
+            if results and results[0][0] == Status.UNINSTALLED:
+                spec, fns = self._installed[name]
                 spec = {**spec, "generation": generation}
                 self._call(
                     lambda spec=spec, fns=fns: ray.get(
-                        self._store.register.remote(spec, *fns)
+                        self._store.install.remote(spec, *fns)
                     )
                 )
                 continue
@@ -294,8 +294,8 @@ class CacheClient:
                 last = exc
                 time.sleep(min(2.0, 0.2 * 2**attempt))
                 self._store = self._start_stores()
-                for spec, fns in self._registered.values():
-                    ray.get(self._store.register.remote(spec, *fns))
+                for spec, fns in self._installed.values():
+                    ray.get(self._store.install.remote(spec, *fns))
             except ray.exceptions.RayTaskError as exc:
                 # The store raised one of our errors (a listing that found
                 # nothing, a bad URL): surface it as itself, not as a Ray error.

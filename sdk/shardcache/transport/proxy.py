@@ -177,7 +177,7 @@ class ProxyClient:
     def map_manifest(handle: Manifest) -> Manifest:
         return handle
 
-    def register(
+    def install(
         self,
         spec: dict[str, Any],
         preprocess: Callable[[bytes], Any],
@@ -195,7 +195,7 @@ class ProxyClient:
             }
         )
         self._names[spec["name"]] = (spec, names)
-        self.call("register_dataset", spec=spec, **names)
+        self.call("install", spec=spec, **names)
 
     def drop_corrupt(
         self, name: str, generation: int, chunk: str, version: str

@@ -79,7 +79,7 @@ class EndpointClient(ProxyClient):
                 # as the Ray path re-registers with a restarted store.
                 self._dropped = False
                 greetings += [
-                    {"op": "register_dataset", "spec": spec, **names}
+                    {"op": "install", "spec": spec, **names}
                     for spec, names in list(self._names.values())
                 ]
             for greeting in greetings:

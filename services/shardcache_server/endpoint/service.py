@@ -146,7 +146,7 @@ class Endpoint:
                 name, digest = m["name"], str(m["digest"])
                 ref = self.client.manifest_of(name, digest)
             return _ok({"digest": digest}), [self._manifest_file(name, digest, ref)]
-        if op == "register_dataset":
+        if op == "install":
             spec = m["spec"]
             pre_fp, _, target_fp = str(spec["fingerprint"]).partition("+target:")
             preprocess = load_callable(m["preprocess"], pre_fp, "preprocess")
@@ -155,7 +155,7 @@ class Endpoint:
                 if m.get("target")
                 else None
             )
-            self.client.register(spec, preprocess, target)
+            self.client.install(spec, preprocess, target)
             return _ok(None), []
         if op == "get":
             return self._get(m)

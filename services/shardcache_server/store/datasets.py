@@ -18,7 +18,7 @@ __all__ = ["Builder", "Dataset", "Item", "Result"]
 
 Item = tuple[str, str, int]  # (chunk key, chunk version, source bytes)
 # (Status.HIT|FETCHED|REMOTE_HIT|UNCACHED, ref) or (Status.ERROR, class, message)
-# or (Status.UNREGISTERED,) when the store lost the dataset's preprocess (restart).
+# or (Status.UNINSTALLED,) when the store lost the dataset's preprocess (restart).
 Result = tuple[Any, ...]
 Builder = Callable[[BuildRequest], Awaitable[tuple[Any, dict[str, Any]]]]
 

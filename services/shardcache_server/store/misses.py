@@ -301,7 +301,7 @@ class MissResolver:
                 ),
                 self.settings.fetch_timeout_s * (self.settings.fetch_retries + 1),
             )
-            if results and results[0][0] == Status.UNREGISTERED:
+            if results and results[0][0] == Status.UNINSTALLED:
                 spec = {
                     "name": ds.name,
                     "protocol": ds.protocol,
@@ -311,7 +311,7 @@ class MissResolver:
                     "manifest": ds.digest,
                     "urls": ds.urls,
                 }
-                await handle.register.remote(spec, ds.preprocess, ds.target)
+                await handle.install.remote(spec, ds.preprocess, ds.target)
                 results = await handle.get.remote(
                     ds.name, generation, items, forwarded=True, digest=ds.digest
                 )

@@ -172,7 +172,7 @@ class CacheShard:
         self._records.close()
 
     # -- public API ------------------------------------------------------------
-    async def register(
+    async def install(
         self,
         spec: dict[str, Any],
         preprocess: Callable[[bytes], Any],
@@ -209,7 +209,7 @@ class CacheShard:
         )
         return self._table.generation[name]
 
-    async def registered(self, dataset: str) -> list[Any]:
+    async def installed(self, dataset: str) -> list[Any]:
         """``[spec, preprocess, target]`` of ``dataset`` as a job registered it
         here, or ``[]``: ``shardcache warm --like`` warms with exactly that."""
         ds = self._datasets.get(dataset)
@@ -259,7 +259,7 @@ class CacheShard:
         self._ensure_started()
         ds = self._datasets.get(dataset)
         if ds is None:
-            return [(Status.UNREGISTERED,)] * len(items)
+            return [(Status.UNINSTALLED,)] * len(items)
         if digest is not None and digest != ds.digest:
             try:
                 manifest = await self._manifests.by_digest(
