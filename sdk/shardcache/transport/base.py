@@ -57,6 +57,11 @@ class Status(enum.StrEnum):
 class Transport(Protocol):
     """One process's way to the cache: the index calls, manifests and chunks.
 
+    The cut: the dataset, reader and usage reports call only these members and
+    never ask which transport they hold; the transport carries the calls and
+    the chunk columns, owns its connections and retries, and raises only the
+    project's errors (see the module docstring).
+
     Attributes:
         config: the client settings it was opened with.
         needs_ray: the process joins Ray to read (it cannot be forked from a
