@@ -123,9 +123,9 @@ def main() -> None:
         start_loopback_cluster,
         start_redis_server,
     )
-    from shardcache.remote import FlightClient
+    from shardcache.transport.flight import FlightClient
     from shardcache_server.endpoint import Endpoint, EndpointSettings, serve_unix
-    from shardcache_server.flight import serve_flight
+    from shardcache_server.endpoint.flight import serve_flight
 
     tmp = Path(tempfile.mkdtemp(prefix="sc-endpoint-bench-"))
     data = tmp / "data"

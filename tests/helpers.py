@@ -7,8 +7,8 @@ import sys
 import ray
 import ray.cloudpickle
 
-from shardcache.client import CacheClient
 from shardcache.config import ClientConfig
+from shardcache.transport.direct import CacheClient
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -22,8 +22,8 @@ class Reader:
             ClientConfig(redis_url=redis_url, namespace=namespace)
         )
 
-    def register(self, spec, preprocess):
-        self.client.register(spec, preprocess)
+    def install(self, spec, preprocess):
+        self.client.install(spec, preprocess)
 
     def read(self, name, generation, items, digest=None):
         results = self.client.get_refs(name, generation, items, digest)

@@ -32,8 +32,8 @@ from shardcache.errors import (
 )
 
 if TYPE_CHECKING:
-    from shardcache.client import CacheClient
     from shardcache.dataset import DistributedCachedDataset
+    from shardcache.transport.direct import CacheClient
 
 __all__ = [
     "BackendError",
@@ -68,7 +68,7 @@ def __getattr__(name: str) -> Any:
 
         return DistributedCachedDataset
     if name == "CacheClient":
-        from shardcache.client import CacheClient
+        from shardcache.transport.direct import CacheClient
 
         return CacheClient
     raise AttributeError(f"module 'shardcache' has no attribute {name!r}")

@@ -29,6 +29,7 @@ import numpy as np
 import xxhash
 
 from shardcache.errors import CorruptChunkError
+from shardcache.transport.base import Transport
 
 __all__ = ["CHECKSUM", "checksum", "check_resolved", "is_intact", "seal"]
 
@@ -86,7 +87,7 @@ def is_intact(columns: dict[str, np.ndarray]) -> bool:
 
 
 def check_resolved(
-    client: Any,
+    client: Transport,
     name: str,
     generation: int,
     digest: str | None,

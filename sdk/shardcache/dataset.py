@@ -17,10 +17,8 @@ from torch.utils.data import Dataset, get_worker_info
 
 from shardcache.changes import describe_changes
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
-from shardcache.client import CacheClient
 from shardcache.config import ClientConfig
 from shardcache.decoders import as_arrays, raw_bytes
-from shardcache.endpoint import open_client
 from shardcache.errors import (
     ConfigError,
     IndexUnavailable,
@@ -41,6 +39,7 @@ from shardcache.reader import ChunkReader
 from shardcache.resume import apply_state, current_node, gather_states, merge_states
 from shardcache.sampler import ShardSampler
 from shardcache.source import open_remote
+from shardcache.transport.read_path import open_client
 from shardcache.usage import ORIGINS, UsageReader, UsageReporter
 from shardcache.waits import WaitRecorder
 from shardcache.warmup import warm_chunks
@@ -377,7 +376,7 @@ class DistributedCachedDataset(Dataset[Any]):
                 source_version=source_version or "",
             )
         self._client = open_client(self.config)
-        if source_dataset is not None and not isinstance(self._client, CacheClient):
+        if source_dataset is not None and not self._client.needs_ray:
             raise ConfigError(
                 "from_dataset ships the Dataset object to the cache workers through "
                 "Ray, so it needs a process on a Ray node (Ray Train, or torchrun on "
@@ -580,7 +579,7 @@ class DistributedCachedDataset(Dataset[Any]):
             return self._reader
         if self._pid != os.getpid():
             self._client = open_client(self.config)
-            if isinstance(self._client, CacheClient) and _ray_inherited_by_fork():
+            if self._client.needs_ray and _ray_inherited_by_fork():
                 raise ConfigError(
                     "this DataLoader worker was forked from a process connected to "
                     "Ray, and Ray cannot be used after fork (its calls would hang). "
@@ -588,7 +587,7 @@ class DistributedCachedDataset(Dataset[Any]):
                     "DataLoader, or iterate ds.loader(batch_size) in the rank."
                 )
             self._reset_process_state()
-        self._client.register(self._store_spec(), self.preprocess, self.target)
+        self._client.install(self._store_spec(), self.preprocess, self.target)
         if self.manifest is None:
             self.manifest = self._map_manifest(
                 self._client.manifest_of(self.name, self.digest)
@@ -932,7 +931,7 @@ class DistributedCachedDataset(Dataset[Any]):
             stale_chunks = np.unique(self._reader.layout.chunk_of(changed))
             self._reader.set_manifest(manifest, digest)
             self._reader.drop_chunks(stale_chunks.tolist())
-            self._client.register(self._store_spec(), self.preprocess, self.target)
+            self._client.install(self._store_spec(), self.preprocess, self.target)
         return [manifest.url(int(i)) for i in changed]
 
     def _refresh_packed(
@@ -951,7 +950,7 @@ class DistributedCachedDataset(Dataset[Any]):
         if self._reader is not None:
             self._reader.set_manifest(manifest, digest)
             self._reader.drop_chunks(stale.tolist())
-            self._client.register(self._store_spec(), self.preprocess, self.target)
+            self._client.install(self._store_spec(), self.preprocess, self.target)
         return manifest.changed_files(old)
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:

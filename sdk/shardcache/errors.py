@@ -22,6 +22,14 @@
 
 Mixing in the builtin lets callers keep writing ``except KeyError`` or
 ``except ValueError`` (redis-py does the same with ``LockError``).
+
+Where backends' exceptions become these (each at one boundary, ``raise ...
+from exc``): Redis in ``index.map_redis_errors``; Ray in the direct
+transport's store calls (``transport/direct.py``); the object source (fsspec,
+botocore) in the stores' fetch and listing (``shardcache_server.fetch``,
+``shardcache_server.objects``). An error that crossed a process (a store's
+result, an endpoint reply, a chunk's failed row) travels as its class name and
+message and is raised again through :func:`error_type`.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ __all__ = [
     "SourceNotFound",
     "StaleVersionError",
     "TransformError",
+    "error_type",
 ]
 
 
@@ -126,3 +135,23 @@ class ShardUnavailable(BackendError):
 
 class EndpointUnavailable(ShardUnavailable):
     """No node-local cache endpoint is reachable (the message names the node and mount)."""
+
+
+def error_type(
+    name: str, default: type[ShardCacheError] = BackendError
+) -> type[ShardCacheError]:
+    """The error class a store, endpoint or chunk reported by ``name``; ``default``
+    for a name that is not one of the project's errors (never a builtin).
+
+    >>> error_type("StaleVersionError").__name__, error_type("OSError").__name__
+    ('StaleVersionError', 'BackendError')
+    """
+    cls = _BY_NAME.get(name)
+    return cls if cls is not None else default
+
+
+_BY_NAME: dict[str, type[ShardCacheError]] = {
+    name: cls
+    for name, cls in globals().items()
+    if isinstance(cls, type) and issubclass(cls, ShardCacheError)
+}

@@ -1,4 +1,4 @@
-"""Every Redis key and channel name shardcache uses, and nothing else.
+"""Every Redis key and channel name shardcache uses, and the name of a chunk.
 
 All keys share the prefix ``shardcache:{namespace}:`` so that two deployments
 (tenants) on one Redis never see or invalidate each other's datasets, and so
@@ -28,15 +28,22 @@ key                                        type    content
 ``{p}:usage:{ds}:rank:{job}/{rank}``       hash    one rank's totals and waits per epoch
 ``{p}:usage:{ds}:seq:{reporter}``          string  last applied flush of one reporter
 =========================================  ======  ===========================================
+
+A chunk key is ``c<n>``, chunk ``n`` of a listing (:func:`chunk_key`,
+:func:`parse_chunk_key`): the field of the entries and owners hashes, and the
+name a store, the disk tier and a rank's request use.
 """
 
 from __future__ import annotations
 
 import re
 
+from shardcache.errors import ConfigError
+
 __all__ = [
     "DEFAULT_NAMESPACE",
     "budget_key",
+    "chunk_key",
     "dataset_key",
     "datasets_key",
     "entries_key",
@@ -44,6 +51,7 @@ __all__ = [
     "invalidation_channel",
     "manifest_key",
     "owners_key",
+    "parse_chunk_key",
     "prefix",
     "ranks_key",
     "stats_key",
@@ -55,6 +63,7 @@ __all__ = [
     "usage_job_series_key",
     "usage_jobs_key",
     "usage_key",
+    "usage_prefix",
     "usage_rank_key",
     "usage_ranks_key",
     "usage_seq_key",
@@ -72,14 +81,41 @@ def validate_name(kind: str, value: str) -> str:
     Names become key segments and Ray actor names, so ``:``, ``*``, ``/`` and
     whitespace are refused rather than escaped.
     """
-    from shardcache.errors import ConfigError
-
     if not isinstance(value, str) or not _NAME_RE.match(value):
         raise ConfigError(
             f"{kind} must be 1-128 characters of letters, digits, '_', '.', '-' "
             f"starting with a letter or digit, got {value!r}."
         )
     return value
+
+
+def chunk_key(chunk: int) -> str:
+    """The name of chunk ``chunk`` of a listing, the one form everything uses: index
+    entries and owner claims, store tables, disk-tier files, requests.
+
+    >>> chunk_key(7), parse_chunk_key("c7")
+    ('c7', 7)
+    """
+    return f"c{int(chunk)}"
+
+
+def parse_chunk_key(key: str) -> int:
+    """The chunk number in ``key``, the inverse of :func:`chunk_key`.
+
+    Raises:
+        ConfigError: ``key`` is not ``"c<n>"``.
+    """
+    if (
+        isinstance(key, str)
+        and key[:1] == "c"
+        and key[1:].isascii()
+        and key[1:].isdigit()
+    ):
+        return int(key[1:])
+    raise ConfigError(
+        f"a chunk key is 'c' and the chunk's number (c0, c1, ...), got {key!r}; "
+        "the rank and the store run different shardcache versions?"
+    )
 
 
 def prefix(ns: str) -> str:
@@ -172,6 +208,11 @@ def usage_ranks_key(ns: str, ds: str) -> str:
 def usage_rank_key(ns: str, ds: str, member: str) -> str:
     """``member`` is ``job/rank`` as listed in :func:`usage_ranks_key`."""
     return f"{prefix(ns)}:usage:{ds}:rank:{member}"
+
+
+def usage_prefix(ns: str) -> str:
+    """The start of every usage key: what a rank may touch through an endpoint."""
+    return f"{prefix(ns)}:usage:"
 
 
 def usage_seq_key(ns: str, ds: str, reporter: str) -> str:

@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from shardcache.chunks import ChunkLayout, plan_chunks
+from shardcache.keys import chunk_key
 
-__all__ = ["ChunkItem", "Manifest", "ManifestWriter", "chunk_key", "sample_hash"]
+__all__ = ["ChunkItem", "Manifest", "ManifestWriter", "sample_hash"]
 
 ChunkItem = tuple[
     str, str, int
@@ -32,11 +33,6 @@ def sample_hash(url: str, etag: str) -> int:
     """64-bit identity of one object version: changes with the URL or the ETag."""
     digest = hashlib.blake2b(f"{url}\0{etag}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
-
-
-def chunk_key(chunk: int) -> str:
-    """The name of chunk ``chunk`` in the index (entries and owner claims)."""
-    return f"c{chunk}"
 
 
 def _mix(x: np.ndarray) -> np.ndarray:

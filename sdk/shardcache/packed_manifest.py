@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.chunks import ChunkLayout
+from shardcache.keys import chunk_key
 
 __all__ = [
     "FORMAT_EXTENSIONS",
@@ -347,7 +348,9 @@ class PackedManifest:
         self, chunks: Iterable[int], versions: np.ndarray | None = None
     ) -> list[tuple[str, str, int]]:
         hashes, nbytes = self.columns["unit_hashes"], self.columns["unit_bytes"]
-        return [(f"c{c}", f"{int(hashes[c]):016x}", int(nbytes[c])) for c in chunks]
+        return [
+            (chunk_key(c), f"{int(hashes[c]):016x}", int(nbytes[c])) for c in chunks
+        ]
 
     def sample_bytes(self, indices: np.ndarray, chunk_ids: np.ndarray) -> np.ndarray:
         """Source bytes per sample: the unit's bytes shared evenly by its samples

@@ -41,12 +41,13 @@ from ray.util.annotations import RayDeprecationWarning
 
 from shardcache.checksum import check_resolved
 from shardcache.chunks import PLAIN_FIELD, Chunk
-from shardcache.client import CacheClient, raise_item_error
 from shardcache.config import ClientConfig
+from shardcache import errors
 from shardcache.errors import ConfigError, StaleVersionError
 from shardcache.flusher import keep_flushed
 from shardcache.manifest import ChunkItem
-from shardcache.reader import _origin
+from shardcache.transport.base import Status
+from shardcache.transport.direct import CacheClient
 from shardcache.usage import UsageReporter
 
 if TYPE_CHECKING:
@@ -215,7 +216,7 @@ def from_cached(
     """
     import ray
 
-    if not isinstance(ds._client, CacheClient):
+    if not ds._client.needs_ray:
         raise ConfigError(
             "to_ray_dataset needs a process on the cache's Ray cluster (the driver "
             "of a Ray job, a Ray Train worker); this one reads through the "
@@ -339,7 +340,7 @@ def _register(client: CacheClient, plan: _ReadPlan, generation: int) -> None:
     if key in _registered:
         return
     spec, preprocess, target = ray.get(plan.spec_ref)
-    client.register({**spec, "generation": generation}, preprocess, target)
+    client.install({**spec, "generation": generation}, preprocess, target)
     _registered.add(key)
 
 
@@ -379,8 +380,7 @@ def _good_rows(chunk: Chunk, plan: _ReadPlan, c: int) -> np.ndarray | None:
     if plan.on_error != "skip":
         row = int(np.flatnonzero(chunk.failed)[0])
         kind, message = chunk.error(row) or ("RemoteFetchError", "")
-        raise_item_error(
-            kind,
+        raise errors.error_type(kind, errors.RemoteFetchError)(
             f"dataset {plan.name!r} chunk {c} row {row} could not be built: {message}",
         )
     return np.flatnonzero(~chunk.failed)
@@ -400,7 +400,7 @@ def _count(
     if rows is not None:
         reporter.skipped(len(chunk) - n)
         source_bytes = source_bytes * n // max(len(chunk), 1)
-    origin = _origin(status)
+    origin = Status(status).origin
     if origin == "source" and chunk.sourced is not None:
         fresh = chunk.sourced if rows is None else chunk.sourced[rows]
         n_src = int(np.count_nonzero(fresh))

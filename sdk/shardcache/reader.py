@@ -23,10 +23,8 @@ import torch
 from shardcache import errors
 from shardcache.checksum import check_resolved
 from shardcache.chunks import PLAIN_FIELD, Chunk, batch_shape, gather
-from shardcache.client import CacheClient
-from shardcache.endpoint import ProxyClient
-from shardcache.errors import ShardCacheError
 from shardcache.manifest import Manifest
+from shardcache.transport.base import Status, Transport
 
 __all__ = ["ChunkReader"]
 
@@ -38,18 +36,12 @@ TRANSIENT_KEPT = (
 ORIGINS = ("local", "peer", "source")  # where a delivered sample came from
 
 
-def _origin(status: str) -> str:
-    if status in ("fetched", "uncached"):
-        return "source"
-    return "peer" if status == "remote-hit" else "local"
-
-
 class ChunkReader:
     """Holds, resolves and prefetches one process's chunks of one dataset.
 
     Args:
-        client: this process's cache client: ``CacheClient`` (the Ray path) or
-            a ``ProxyClient`` (the node-local endpoint, or a remote worker).
+        client: this process's transport (``shardcache.transport``): the Ray
+            path, the node-local endpoint, or a remote worker.
         name: the dataset. manifest: the listing the rank reads.
         digest: that listing's digest. hold_bytes: chunk bytes kept mapped.
         timeout_s: how long one resolution may wait.
@@ -58,7 +50,7 @@ class ChunkReader:
 
     def __init__(
         self,
-        client: CacheClient | ProxyClient,
+        client: Transport,
         name: str,
         manifest: Manifest,
         digest: str,
@@ -248,10 +240,7 @@ class ChunkReader:
             if chunk.has_failures and chunk.failed[row]:
                 kind, message = chunk.error(row) or ("RemoteFetchError", "")
                 url = self.manifest.url(int(indices[j]))
-                cls = getattr(errors, kind, errors.RemoteFetchError)
-                if not (isinstance(cls, type) and issubclass(cls, ShardCacheError)):
-                    cls = errors.RemoteFetchError
-                raise cls(
+                raise errors.error_type(kind, errors.RemoteFetchError)(
                     f"sample {int(indices[j])} ({url!r}) could not be built: {message}"
                 )
 
@@ -324,11 +313,11 @@ class ChunkReader:
                 # keeps nothing): a hit means "not read from the source in
                 # this epoch", as a user reads it.
                 if self._origin.get(c) != "source":
-                    self._origin[c] = _origin(status)
+                    self._origin[c] = Status(status).origin
                     if self._origin[c] == "source" and chunk.sourced is not None:
                         self._sourced[c] = chunk.sourced
                 if (
-                    status != "uncached"
+                    status != Status.UNCACHED
                     and self._held_bytes + chunk.nbytes <= self.hold_bytes
                 ):
                     self._held[c] = chunk
@@ -337,7 +326,7 @@ class ChunkReader:
                     # Not kept for the generation (the store did not cache it, or
                     # this process's hold budget is spent): kept for the next
                     # few batches only, so the store's policy stays in charge.
-                    self.saw_uncached = self.saw_uncached or status == "uncached"
+                    self.saw_uncached = self.saw_uncached or status == Status.UNCACHED
                     self._keep_transient(c, chunk)
         return out
 

@@ -13,6 +13,7 @@ import urllib.request
 from rich.console import Console
 
 from shardcache.errors import BackendError, ShardUnavailable
+from shardcache.transport.base import Status
 
 __all__ = ["run_selftest"]
 
@@ -31,10 +32,10 @@ def run_selftest(
     import ray
     import s3fs
 
-    from shardcache.client import CacheClient
     from shardcache.config import ClientConfig
     from shardcache.embedded import attach_ray
     from shardcache.index import RedisIndex
+    from shardcache.transport.direct import CacheClient
     from shardcache_server.datagen import upload_blobs
     from shardcache_server.emulator import S3Emulator
     from shardcache_server.warm import warm_dataset
@@ -74,9 +75,9 @@ def run_selftest(
         )
         ray.get([ref for _, ref in results])
         statuses = {s for s, _ in results}
-        if statuses - {"hit", "remote-hit"}:
+        if statuses - {Status.HIT, Status.REMOTE_HIT}:
             raise ShardUnavailable(
-                f"selftest: second read was not all hits: {sorted(statuses)}"
+                f"selftest: second read was not all hits: {sorted(map(str, statuses))}"
             )
         console.print(f"cache: {SELFTEST_OBJECTS} objects warmed and read back as hits")
     finally:

@@ -17,13 +17,14 @@ from shardcache.config import ClientConfig
 from shardcache.dataset import default_name
 from shardcache.decoders import as_arrays, raw_bytes
 from shardcache.embedded import attach_ray, local_redis_url
-from shardcache.errors import ConfigError, ShardUnavailable
+from shardcache.errors import ConfigError, ShardUnavailable, error_type
 from shardcache.fingerprint import dataset_fingerprint
 from shardcache.index import RedisIndex
 from shardcache.manifest import Manifest
 from shardcache.packed_manifest import format_of, objects_preprocess
 from shardcache.sampler import first_steps
 from shardcache.sharding import assign_chunks
+from shardcache.transport.base import Status
 from shardcache_server.cluster import ensure_stores
 from shardcache_server.preprocess import get_preprocessor
 from shardcache_server.settings import ServiceSettings
@@ -98,7 +99,7 @@ def warm_dataset(
         raise ShardUnavailable("no alive Ray node to warm into.")
     index = RedisIndex.from_url(redis_url, namespace)
     if like is not None:
-        spec, fn, target_fn = _registered(handles, like)
+        spec, fn, target_fn = _installed(handles, like)
         name, url = name or like, spec["urls"]
         spec = {**spec, "name": name}
     else:
@@ -145,7 +146,7 @@ def warm_dataset(
     spec.update(generation=generation, manifest=digest)
     _unwrap(
         lambda: ray.get(
-            [h.register.remote(spec, fn, target_fn) for h in handles.values()]
+            [h.install.remote(spec, fn, target_fn) for h in handles.values()]
         )
     )
     layout = manifest.layout
@@ -201,18 +202,17 @@ def warm_dataset(
             group = pending.pop(done[0])
             for c, res in zip(group, ray.get(done[0]), strict=True):
                 n = int(sizes[c])
-                if res[0] == "error":
+                if res[0] == Status.ERROR:
                     counts["errors"] += n
                     first_error = first_error or (res[1], res[2])
-                elif res[0] in ("fetched", "uncached"):
+                elif res[0] in (Status.FETCHED, Status.UNCACHED):
                     counts["fetched"] += n
                 else:
                     counts["already_cached"] += n
                 progress.advance(task, n)
     if first_error is not None:
-        from shardcache.client import raise_item_error
-
-        raise_item_error(*first_error)
+        kind, message = first_error
+        raise error_type(kind)(message)
     return {
         "dataset": name,
         "generation": generation,
@@ -258,11 +258,11 @@ def _unwrap(call: Any) -> Any:
         raise
 
 
-def _registered(handles: dict[str, Any], name: str) -> tuple[dict[str, Any], Any, Any]:
+def _installed(handles: dict[str, Any], name: str) -> tuple[dict[str, Any], Any, Any]:
     """The spec and callables a job registered ``name`` with, from any store."""
     import ray
 
-    for found in ray.get([h.registered.remote(name) for h in handles.values()]):
+    for found in ray.get([h.installed.remote(name) for h in handles.values()]):
         if found:
             spec, fn, target = found
             return spec, fn, target

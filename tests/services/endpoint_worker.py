@@ -18,7 +18,7 @@ WORKER_OBJECT_STORE_BYTES = 150 * 2**20
 def main() -> None:
     cluster = start_loopback_cluster(1, WORKER_OBJECT_STORE_BYTES, cpus_per_node=2)
     os.environ["SHARDCACHE_RAY_ADDRESS"] = cluster.address
-    from shardcache_server.endpoint import main as serve
+    from shardcache_server.endpoint.__main__ import main as serve
 
     try:
         serve()

@@ -49,7 +49,7 @@ def test_budget_caps_requests_per_second_across_two_stores(
     async def scenario():
         a, b = _shards(redis_url, ns)
         for shard in (a, b):
-            await shard.register(spec, raw_bytes)
+            await shard.install(spec, raw_bytes)
         # Two "nodes" each fetch half, concurrently, forwarded=True so both fetch.
         await asyncio.gather(
             a.get("ds", 1, items[:20], forwarded=True),
@@ -78,7 +78,7 @@ def test_budget_halves_rate_on_503_slowdown(s3, s3fs_client, bucket, redis_url):
 
     async def scenario():
         (a, _b) = _shards(redis_url, ns, fetch_retries=8)
-        await a.register(spec, raw_bytes)
+        await a.install(spec, raw_bytes)
         out = await a.get("ds", 1, items)
         await a.close()
         return out

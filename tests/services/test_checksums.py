@@ -134,7 +134,7 @@ def test_shard_verify_contents_finds_and_repairs_corruption_in_memory(
     shard, spec, items = _plain_shard(s3, s3fs_client, bucket, redis_url)
 
     async def scenario():
-        await shard.register(spec, raw_bytes)
+        await shard.install(spec, raw_bytes)
         refs = [r[1] for r in await shard.get("ds", 1, items)]
         clean = await shard.verify_contents("ds")
         ctypes.memset(refs[0]["_"].ctypes.data, 0xEE, 8)
@@ -164,7 +164,7 @@ def test_shard_chunk_spilled_to_disk_verifies_and_corrupt_file_is_rebuilt(
     chunk = items[0][0]
 
     async def scenario():
-        await shard.register(spec, raw_bytes)
+        await shard.install(spec, raw_bytes)
         await shard.get("ds", 1, items)
         await shard.flush_disk()
         shard._table.evict(("ds", chunk))  # only its file is left

@@ -58,7 +58,7 @@ def test_chunk_changed_member_is_the_only_object_read_again(
 
     async def scenario():
         shard = _shard(cfg)
-        await shard.register(spec, raw_bytes)
+        await shard.install(spec, raw_bytes)
         first = (await shard.get("ds", 1, items))[0]
         gets_before = s3.total_gets
         s3fs_client.pipe({f"{bucket}/d/004.bin": b"\xff" * 150})  # new size too
@@ -90,7 +90,7 @@ def test_chunk_member_that_fails_is_named_and_the_rest_is_served(
 
     async def scenario():
         shard = _shard(cfg)
-        await shard.register(spec, raw_bytes)
+        await shard.install(spec, raw_bytes)
         s3fs_client.rm(f"{bucket}/d/007.bin")  # gone after the listing
         out = (await shard.get("ds", 1, items))[0]
         info = await shard.info()
@@ -118,7 +118,7 @@ def test_chunk_larger_than_the_budget_is_served_uncached(
 
     async def scenario():
         shard = _shard(cfg)
-        await shard.register(spec, raw_bytes)
+        await shard.install(spec, raw_bytes)
         out = [(await shard.get("ds", 1, items))[0] for _ in range(2)]
         info = await shard.info()
         await shard.close()
@@ -141,7 +141,7 @@ def test_chunk_whose_samples_disagree_on_dtype_is_a_preprocess_error(
 
     async def scenario():
         shard = _shard(cfg)
-        await shard.register(spec, mixed)
+        await shard.install(spec, mixed)
         out = (await shard.get("ds", 1, items))[0]
         await shard.close()
         return out

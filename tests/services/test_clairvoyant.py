@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from belady import belady_hits, node_calls
 
+from shardcache.keys import chunk_key
 from shardcache_server.eviction import POLICIES, SamplerOrder, make_policy
 
 CHUNK = 100  # bytes per chunk (all equal: capacity is counted in chunks)
@@ -18,7 +19,7 @@ CHUNK = 100  # bytes per chunk (all equal: capacity is counted in chunks)
 def policy_hits(policy, calls, dataset="ds"):
     hits = 0
     for call in calls:
-        keys = [(dataset, f"c{c}") for c in call]
+        keys = [(dataset, chunk_key(c)) for c in call]
         policy.observe(keys)
         # As the store does: a call's hits are served before its misses are built.
         missed = [key for key in keys if key not in policy]
@@ -120,7 +121,7 @@ def test_clairvoyant_restarted_job_with_same_sampler_plans_from_its_epoch():
     # in epoch 5 (the clock stands just before position 0).
     epoch5 = [c for call in calls[5 * 64 :] for c in call]
     first = {c: epoch5.index(c) for c in set(epoch5)}
-    assert {c: policy.next_use(("ds", f"c{c}")) for c in first} == {
+    assert {c: policy.next_use(("ds", chunk_key(c))) for c in first} == {
         c: p + 1 for c, p in first.items()
     }
 

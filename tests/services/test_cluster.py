@@ -38,7 +38,7 @@ def _readers(redis_url, namespace, spec):
         Reader.options(resources={f"node{i}": 0.01}).remote(redis_url, namespace)
         for i in (0, 1)
     ]
-    ray.get([r.register.remote(spec, raw_bytes) for r in readers])
+    ray.get([r.install.remote(spec, raw_bytes) for r in readers])
     return readers
 
 
@@ -99,14 +99,14 @@ def test_second_job_in_new_process_reuses_cache_with_zero_reads(
     s3.reset_counts()
     script = textwrap.dedent(f"""
         import ray
-        from shardcache.client import CacheClient
+        from shardcache.transport.direct import CacheClient
         from shardcache.config import ClientConfig
         from shardcache.decoders import raw_bytes
         ray.init(address={ray_cluster.address!r}, log_to_driver=False)
         client = CacheClient(ClientConfig(redis_url={redis_url!r}, namespace={namespace!r}))
-        client.register({spec!r}, raw_bytes)
+        client.install({spec!r}, raw_bytes)
         results = client.get_refs("ds", 1, {items!r})
-        print(sorted(set(s for s, _ in results)))
+        print(sorted(set(str(s) for s, _ in results)))
     """)
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=180

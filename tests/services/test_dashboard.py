@@ -41,7 +41,7 @@ def filled(s3, s3fs_client, bucket, redis_url):
             cfg, "node-a", put=lambda v: v, get=lambda v: v, peer=lambda n: None,
             build=local_build(cfg),
         )  # fmt: skip
-        await shard.register(spec, raw_bytes)
+        await shard.install(spec, raw_bytes)
         for _ in range(3):
             await shard.get("images", gen, items)
         await asyncio.sleep(0.3)

@@ -37,13 +37,13 @@ def test_node_removed_keys_move_to_live_owner(
     )
     ray_cluster.wait_for_nodes()
     doomed = Reader.options(resources={"node9": 0.01}).remote(redis_url, namespace)
-    ray.get(doomed.register.remote(spec, raw_bytes))
+    ray.get(doomed.install.remote(spec, raw_bytes))
     doomed_node = ray.get(doomed.node.remote())
     ray.get(doomed.read.remote("ds", gen, items))
     assert {o.split("/")[0] for o in index.owners("ds", gen).values()} == {doomed_node}
     ray_cluster.remove_node(extra)
     survivor = Reader.options(resources={"node0": 0.01}).remote(redis_url, namespace)
-    ray.get(survivor.register.remote(spec, raw_bytes))
+    ray.get(survivor.install.remote(spec, raw_bytes))
     s3.reset_counts()
     statuses, values = ray.get(survivor.read.remote("ds", gen, items), timeout=120)
     assert values == [f"v{i}".encode() * 8 for i in range(10)]

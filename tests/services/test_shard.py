@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from shardcache.decoders import raw_bytes
+from shardcache.keys import parse_chunk_key
 from shardcache_server.emulator import FaultPlan
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.store import CacheShard
@@ -74,7 +75,7 @@ def _get_once(cfg, spec, items, after_register=None):
 
     async def scenario():
         shard = _shard(cfg)
-        await shard.register(spec, raw_bytes)
+        await shard.install(spec, raw_bytes)
         if after_register is not None:
             after_register()
         out = [view(r) for r in await shard.get("ds", 1, items)]
@@ -92,7 +93,7 @@ def test_shard_fetches_once_then_hits_and_records_index(
 
     async def scenario():
         shard = _shard(cfg)
-        await shard.register(spec, raw_bytes)
+        await shard.install(spec, raw_bytes)
         # 16 concurrent requests for the same 10 keys share one fetch each.
         rounds = await asyncio.gather(*(shard.get("ds", 1, items) for _ in range(16)))
         again = await shard.get("ds", 1, items)
@@ -130,7 +131,7 @@ def test_shard_preprocess_error_names_key_and_spares_others(
 
     async def scenario():
         shard = _shard(cfg)
-        await shard.register(spec, picky)
+        await shard.install(spec, picky)
         out = [view(r) for r in await shard.get("ds", 1, items)]
         await asyncio.sleep(0.2)
         info = await shard.info()
@@ -163,7 +164,7 @@ def test_shard_preprocess_returning_non_array_is_preprocess_error(
 
     async def scenario():
         shard = _shard(cfg)
-        await shard.register(spec, bad)
+        await shard.install(spec, bad)
         out = [view(r) for r in await shard.get("ds", 1, items)]
         await shard.close()
         return out
@@ -184,7 +185,7 @@ def test_shard_invalidation_over_pubsub_frees_memory(
 
     async def scenario():
         shard = _shard(cfg)
-        await shard.register(spec, raw_bytes)
+        await shard.install(spec, raw_bytes)
         await shard.get("ds", 1, items)
         before = (await shard.info())["used_bytes"]
         await asyncio.sleep(0.3)  # listener subscribed
@@ -222,7 +223,7 @@ def test_shard_eviction_hit_rate_under_cyclic_scan(
 
     async def scenario():
         shard = _shard(cfg)
-        await shard.register(spec, raw_bytes)
+        await shard.install(spec, raw_bytes)
         for it in items:
             await shard.get("ds", 1, [it])
         warm = [(await shard.get("ds", 1, [it]))[0][0] for it in items]
@@ -243,7 +244,7 @@ def test_shard_retries_transient_503_then_succeeds(s3, s3fs_client, bucket, redi
 
     async def scenario():
         shard = _shard(cfg)
-        await shard.register(spec, raw_bytes)
+        await shard.install(spec, raw_bytes)
         out = [view(r) for r in await shard.get("ds", 1, items)]
         await shard.close()
         return out
@@ -304,7 +305,7 @@ def test_shard_invalidated_generation_stays_readable_for_grace(
 
     async def scenario():
         shard = _shard(cfg)
-        await shard.register(spec, raw_bytes)
+        await shard.install(spec, raw_bytes)
         await shard.get("ds", 1, items[:6])  # 6 cached under generation 1
         new = index.invalidate("ds")
         await shard.get("ds", new, items[:1])  # the store moves to generation 2
@@ -341,7 +342,7 @@ def test_shard_retired_values_give_way_to_new_entries(
 
     async def scenario():
         shard = _shard(cfg)
-        await shard.register(spec, raw_bytes)
+        await shard.install(spec, raw_bytes)
         await shard.get("ds", 1, items)  # 10 x 100 bytes: the budget is full
         new = index.invalidate("ds")
         await shard.get("ds", new, items[:4])
@@ -371,7 +372,7 @@ def test_shard_survives_mixed_source_faults_with_bounded_retries(
 
     async def scenario():
         shard = _shard(cfg)
-        await shard.register(spec, raw_bytes)
+        await shard.install(spec, raw_bytes)
         out = []
         for plan, chunk in zip(faults, (items[i::4] for i in range(4)), strict=True):
             s3.set_faults(plan)
@@ -383,7 +384,7 @@ def test_shard_survives_mixed_source_faults_with_bounded_retries(
     out = _run(scenario())
     assert [res[0] for _, res in out] == ["fetched"] * len(items)
     for (key, _version, _size), res in out:
-        i = int(key[1:])  # one object per chunk: chunk i is object i
+        i = parse_chunk_key(key)  # one object per chunk: chunk i is object i
         assert bytes(res[1]) == bytes([i]) * 100
     # Faults cost retries, bounded by 1 + fetch_retries attempts per object
     # (twice that for dropped connections, which aiohttp re-sends once).

@@ -95,7 +95,7 @@ def test_store_gets_at_half_cache_clairvoyant_equals_belady_min_and_beats_static
 
         async def scenario(cfg=cfg, spec=spec, items=items):
             shard = _shard(cfg)
-            await shard.register(spec, raw_bytes)
+            await shard.install(spec, raw_bytes)
             got = await _epochs(shard, items, 3)
             await shard.close()
             return got
@@ -129,7 +129,7 @@ def test_store_disk_tier_serves_ram_misses_and_survives_restart(
 
     async def first_store():
         shard = _shard(cfg)
-        await shard.register(spec, raw_bytes)
+        await shard.install(spec, raw_bytes)
         cold = await _epochs(shard, items, 1)
         await shard.flush_disk()
         gets = s3.total_gets
@@ -154,7 +154,7 @@ def test_store_disk_tier_serves_ram_misses_and_survives_restart(
         shard = _shard(cfg, new_node)
         await shard.ping()
         await asyncio.sleep(0.2)  # its predecessor's index entries are dropped
-        await shard.register(spec, raw_bytes)
+        await shard.install(spec, raw_bytes)
         got = await _epochs(shard, items, 1, first=2)
         await shard.close()
         return got
@@ -172,13 +172,13 @@ def test_store_disk_tier_never_serves_a_file_of_another_generation(
 
     async def scenario():
         shard = _shard(cfg)
-        await shard.register(spec, raw_bytes)
+        await shard.install(spec, raw_bytes)
         await shard.get("ds", 1, items)
         await shard.flush_disk()
         await shard.close()
         gen = index.invalidate("ds")  # e.g. the preprocess changed
         again = _shard(cfg)
-        await again.register({**spec, "generation": gen}, raw_bytes)
+        await again.install({**spec, "generation": gen}, raw_bytes)
         before = s3.total_gets
         out = await again.get("ds", gen, items)
         await again.close()

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.errors import ConfigError
+from shardcache.keys import parse_chunk_key
 from shardcache.sampler import ShardSampler
 from shardcache_server.eviction.base import EvictionPolicy
 
@@ -214,9 +215,10 @@ def _chunk_index(key: Hashable) -> tuple[str, int] | None:
     if not (isinstance(key, tuple) and len(key) == 2):
         return None
     dataset, chunk = key
-    if not (isinstance(chunk, str) and chunk[:1] == "c" and chunk[1:].isdigit()):
-        return None
-    return str(dataset), int(chunk[1:])
+    try:
+        return str(dataset), parse_chunk_key(chunk)
+    except ConfigError:
+        return None  # not a chunk of a listing: no rank's order names it
 
 
 class ClairvoyantPolicy(EvictionPolicy):

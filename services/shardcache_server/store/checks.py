@@ -14,7 +14,8 @@ from typing import Any
 
 from shardcache.checksum import is_intact
 from shardcache.errors import BackendError
-from shardcache_server.store.datasets import Dataset, chunk_index
+from shardcache.keys import parse_chunk_key
+from shardcache_server.store.datasets import Dataset
 from shardcache_server.store.misses import MissResolver
 from shardcache_server.store.records import IndexRecords
 from shardcache_server.store.spill import Spill
@@ -138,8 +139,8 @@ class ContentChecks:
         True if what is held now verifies."""
         self._forget_corrupt(dataset, chunk)
         ds = self._datasets.get(dataset)
-        index = chunk_index(chunk)
-        if ds is None or not 0 <= index < len(ds.manifest.layout):
+        index = parse_chunk_key(chunk)
+        if ds is None or index >= len(ds.manifest.layout):
             return True  # dropped; nothing here can build it, the next read will
         generation = self._table.generation[dataset]
         (item,) = ds.manifest.chunk_items([index])

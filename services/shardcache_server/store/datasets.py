@@ -14,11 +14,11 @@ from typing import Any
 from shardcache.manifest import Manifest
 from shardcache_server.builder import BuildRequest
 
-__all__ = ["Builder", "Dataset", "Item", "Result", "chunk_index"]
+__all__ = ["Builder", "Dataset", "Item", "Result"]
 
 Item = tuple[str, str, int]  # (chunk key, chunk version, source bytes)
-# ("hit"|"fetched"|"remote-hit"|"uncached", ref) or ("error", class, message)
-# or ("unregistered",) when the store lost the dataset's preprocess (restart).
+# (Status.HIT|FETCHED|REMOTE_HIT|UNCACHED, ref) or (Status.ERROR, class, message)
+# or (Status.UNINSTALLED,) when the store lost the dataset's preprocess (restart).
 Result = tuple[Any, ...]
 Builder = Callable[[BuildRequest], Awaitable[tuple[Any, dict[str, Any]]]]
 
@@ -36,11 +36,3 @@ class Dataset:
     urls: Any = ""  # the source (prefix, glob or list), to list it again
     source: Any = None  # a user's map-style Dataset (``from_dataset``), via Ray
     spec: dict[str, Any] | None = None  # as registered (``warm --like`` copies it)
-
-
-def chunk_index(chunk: str) -> int:
-    """The position of chunk key ``"c<n>"`` in its listing, or ``-1``."""
-    try:
-        return int(chunk[1:]) if chunk.startswith("c") else -1
-    except ValueError:
-        return -1

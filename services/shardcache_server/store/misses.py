@@ -17,9 +17,11 @@ from collections.abc import Callable
 from typing import Any
 
 from shardcache.errors import BackendError, ConfigError, ShardCacheError
+from shardcache.keys import parse_chunk_key
+from shardcache.transport.base import Status
 from shardcache_server.builder import BuildRequest
 from shardcache_server.settings import ServiceSettings
-from shardcache_server.store.datasets import Builder, Dataset, Item, Result, chunk_index
+from shardcache_server.store.datasets import Builder, Dataset, Item, Result
 from shardcache_server.store.manifests import Manifests
 from shardcache_server.store.records import IndexRecords
 from shardcache_server.store.spill import Spill
@@ -124,7 +126,7 @@ class MissResolver:
             for url, etag, _ in items:
                 self._settle(
                     (ds.name, generation, url, etag),
-                    ("error", type(exc).__name__, f"{url!r}: {exc}"),
+                    (Status.ERROR, type(exc).__name__, f"{url!r}: {exc}"),
                 )
 
     async def load(self, ds: Dataset, generation: int, item: Item) -> None:
@@ -134,7 +136,7 @@ class MissResolver:
         2. else build it from the source (only the members that changed
            since the chunk held now, if any);
         3. admit it to the table: ``(admitted, evicted)``, recorded in the index;
-        4. settle: "hit"/"fetched" if held, "uncached" if not.
+        4. settle: HIT/FETCHED if held, UNCACHED if not.
         """
         chunk, version, size = item
         key = (ds.name, generation, chunk, version)
@@ -146,7 +148,9 @@ class MissResolver:
                 ] == generation and self._admit(
                     ds.name, generation, chunk, value, size, on_disk=True
                 )
-                self._settle(key, ("hit" if admitted else "uncached", value.ref))
+                self._settle(
+                    key, (Status.HIT if admitted else Status.UNCACHED, value.ref)
+                )
                 return
         base = self._table.get(ds.name, chunk)
         try:
@@ -161,7 +165,7 @@ class MissResolver:
                 error=type(exc).__name__,
                 message=str(exc),
             )
-            self._settle(key, ("error", type(exc).__name__, str(exc)))
+            self._settle(key, (Status.ERROR, type(exc).__name__, str(exc)))
             return
         self._count_build((ds.name, generation), report)
         if report["errors"]:
@@ -172,9 +176,10 @@ class MissResolver:
             self._records.event(
                 "fetch_error", ds.name, key=chunk, error=kind, message=message
             )
-            self._settle(key, ("uncached", ref))
+            self._settle(key, (Status.UNCACHED, ref))
             return
-        lo, hi = ds.manifest.layout.bounds(chunk_index(chunk))
+        index = parse_chunk_key(chunk)
+        lo, hi = ds.manifest.layout.bounds(index)
         admitted = self._table.generation[ds.name] == generation and self._admit(
             ds.name,
             generation,
@@ -186,11 +191,11 @@ class MissResolver:
                 report["nbytes"],
                 ds.manifest.row_hashes(lo, hi).copy(),
             ),
-            ds.manifest.chunk_source_bytes(chunk_index(chunk)),
+            ds.manifest.chunk_source_bytes(index),
         )
-        # "uncached" tells the reader not to hold on to the value: the budget is
+        # UNCACHED tells the reader not to hold on to the value: the budget is
         # full (static policy, or a chunk larger than the whole budget).
-        self._settle(key, ("fetched" if admitted else "uncached", ref))
+        self._settle(key, (Status.FETCHED if admitted else Status.UNCACHED, ref))
 
     async def serve_retired(
         self, ds: Dataset, generation: int, items: list[Item]
@@ -198,7 +203,7 @@ class MissResolver:
         """Serve a generation invalidated mid-epoch to the ranks still reading it.
 
         Kept chunks are hits; anything else is built once more with that
-        generation's preprocess and not cached ("uncached"): the cache
+        generation's preprocess and not cached (UNCACHED): the cache
         belongs to the new generation.
         """
         key = (ds.name, generation)
@@ -209,7 +214,7 @@ class MissResolver:
             ref = retired.lookup(ds.name, generation, chunk, version)
             if ref is not None:
                 self._stats.add(key, "hits")
-                return ("hit", ref)
+                return (Status.HIT, ref)
             ref, report = await self._build_chunk(ds, chunk, version, None)
             self._count_build(key, report)
             self._stats.add(key, "misses")
@@ -218,7 +223,7 @@ class MissResolver:
                 # Kept with the retired generation (first to go when a new
                 # entry needs room): the next rank asking reads no source.
                 retired.keep(ds.name, generation, chunk, ref, version, report["nbytes"])
-            return ("uncached", ref)
+            return (Status.UNCACHED, ref)
 
         return list(await asyncio.gather(*(serve(*it) for it in items)))
 
@@ -277,8 +282,8 @@ class MissResolver:
             await asyncio.gather(*(self.load(ds, generation, it) for it in items))
             return
         for (url, etag, _), res in zip(items, results, strict=False):
-            if res[0] in ("hit", "fetched"):
-                res = ("remote-hit" if res[0] == "hit" else "fetched", res[1])
+            if res[0] == Status.HIT:  # held by the owner: a peer hit here
+                res = (Status.REMOTE_HIT, res[1])
             self._settle((ds.name, generation, url, etag), res)
 
     async def _ask_owner(
@@ -296,7 +301,7 @@ class MissResolver:
                 ),
                 self.settings.fetch_timeout_s * (self.settings.fetch_retries + 1),
             )
-            if results and results[0][0] == "unregistered":
+            if results and results[0][0] == Status.UNINSTALLED:
                 spec = {
                     "name": ds.name,
                     "protocol": ds.protocol,
@@ -306,7 +311,7 @@ class MissResolver:
                     "manifest": ds.digest,
                     "urls": ds.urls,
                 }
-                await handle.register.remote(spec, ds.preprocess, ds.target)
+                await handle.install.remote(spec, ds.preprocess, ds.target)
                 results = await handle.get.remote(
                     ds.name, generation, items, forwarded=True, digest=ds.digest
                 )
@@ -332,9 +337,9 @@ class MissResolver:
         Raises:
             ConfigError: the chunk is not in the dataset's listing.
         """
-        index = chunk_index(chunk)
+        index = parse_chunk_key(chunk)
         layout = ds.manifest.layout
-        if not 0 <= index < len(layout):
+        if index >= len(layout):
             raise ConfigError(
                 f"chunk {chunk!r} is not in dataset {ds.name!r} ({len(layout)} chunks); "
                 "the rank and the store read different listings. Call refresh()."

@@ -23,6 +23,7 @@ from typing import Any
 
 from shardcache import keys
 from shardcache.errors import StaleVersionError
+from shardcache.transport.base import Status
 from shardcache_server.eviction import SamplerOrder, make_policy
 from shardcache_server.index import ClusterIndex
 from shardcache_server.listing import Lister, list_in_thread, listing_budget
@@ -171,7 +172,7 @@ class CacheShard:
         self._records.close()
 
     # -- public API ------------------------------------------------------------
-    async def register(
+    async def install(
         self,
         spec: dict[str, Any],
         preprocess: Callable[[bytes], Any],
@@ -208,7 +209,7 @@ class CacheShard:
         )
         return self._table.generation[name]
 
-    async def registered(self, dataset: str) -> list[Any]:
+    async def installed(self, dataset: str) -> list[Any]:
         """``[spec, preprocess, target]`` of ``dataset`` as a job registered it
         here, or ``[]``: ``shardcache warm --like`` warms with exactly that."""
         ds = self._datasets.get(dataset)
@@ -258,7 +259,7 @@ class CacheShard:
         self._ensure_started()
         ds = self._datasets.get(dataset)
         if ds is None:
-            return [("unregistered",)] * len(items)
+            return [(Status.UNINSTALLED,)] * len(items)
         if digest is not None and digest != ds.digest:
             try:
                 manifest = await self._manifests.by_digest(
@@ -267,7 +268,7 @@ class CacheShard:
                     {"urls": ds.urls, "storage_options": ds.storage_options},
                 )
             except StaleVersionError as exc:
-                return [("error", "StaleVersionError", str(exc))] * len(items)
+                return [(Status.ERROR, "StaleVersionError", str(exc))] * len(items)
             ds = replace(ds, manifest=manifest, digest=digest)
         known = self._table.generation[dataset]
         if generation < known:
@@ -278,7 +279,7 @@ class CacheShard:
                 f"dataset {dataset!r} generation {generation} was invalidated; "
                 f"the current generation is {known}. Re-read the generation and retry."
             )
-            return [("error", "StaleVersionError", msg)] * len(items)
+            return [(Status.ERROR, "StaleVersionError", msg)] * len(items)
         if generation > known:
             self._upkeep.advance(dataset, generation)
         if not forwarded:  # one call is one batch of a local rank
@@ -291,7 +292,7 @@ class CacheShard:
             if cached is None:
                 missed.append(i)
                 continue
-            results[i] = ("hit", cached.ref)
+            results[i] = (Status.HIT, cached.ref)
             if not forwarded:
                 self._stats.add(counts, "hits")
                 self._stats.add(counts, "bytes_served", cached.nbytes)
@@ -301,9 +302,9 @@ class CacheShard:
             )
             for i, res in zip(missed, found, strict=True):
                 results[i] = res
-                if not forwarded and res[0] != "error":
+                if not forwarded and res[0] != Status.ERROR:
                     self._stats.add(
-                        counts, "hits" if res[0] == "remote-hit" else "misses"
+                        counts, "hits" if res[0] == Status.REMOTE_HIT else "misses"
                     )
         return [r for r in results if r is not None]
 

@@ -17,7 +17,8 @@ from typing import Any
 
 from shardcache.checksum import is_intact
 from shardcache.errors import ChunkFileError
-from shardcache_server.store.datasets import Dataset, Item, chunk_index
+from shardcache.keys import parse_chunk_key
+from shardcache_server.store.datasets import Dataset, Item
 from shardcache_server.store.disk_tier import DiskTier
 from shardcache_server.store.records import IndexRecords
 from shardcache_server.store.stats import StatsBuffer
@@ -111,7 +112,7 @@ class Spill:
         # read path is the same as for a chunk built from the source.
         ref = await asyncio.to_thread(self._put, columns)
         self._stats.add((ds.name, generation), "disk_hits")
-        lo, hi = ds.manifest.layout.bounds(chunk_index(chunk))
+        lo, hi = ds.manifest.layout.bounds(parse_chunk_key(chunk))
         return Cached(
             ref,
             version,

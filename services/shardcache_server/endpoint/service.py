@@ -1,62 +1,46 @@
-"""The node-local endpoint: serves training pods that are not Ray nodes.
+"""The node-local endpoint's answers: one request in, one JSON reply and chunk files out.
 
 It runs in the cache worker pod (the chart's DaemonSet) as a Ray driver
 beside that pod's raylet, so it reaches this node's store and maps its
-chunks zero-copy, and it answers ranks on a Unix socket on a ``hostPath``
-(``sdk/shardcache/endpoint.py`` has the wire format and the client). A
-chunk a rank asks for is written once per node, as a chunk file in a
-memory-backed volume (``endpoint_shm_dir``, an ``emptyDir`` with
-``medium: Memory``), and handed over as a read-only file descriptor; ranks
-map it, so the node holds at most one extra copy per chunk and none per
-rank. Files are kept in an LRU within ``endpoint_shm_bytes``; evicting one
-that ranks still map is safe (the pages live until they unmap).
+chunks zero-copy. Every request goes through the same calls a Ray rank
+makes (``CacheClient`` for the store, ``RedisIndex`` for the index), so
+claims, generations, invalidation, refresh and stats are those of the Ray
+path. The index calls a rank may make are a fixed list; the usage counters
+are written by the usage module's own Lua script, accepted only by its hash
+and only on this namespace's usage keys.
 
-Every request goes through the same calls a Ray rank makes (``CacheClient``
-for the store, ``RedisIndex`` for the index), so claims, generations,
-invalidation, refresh and stats are those of the Ray path. The index calls a
-rank may make are a fixed list; the usage counters are written by the
-usage module's own Lua script, accepted only by its hash and only on this
-namespace's usage keys.
-
-The same operations are served over Arrow Flight for ranks on other nodes
-(``flight.py``). Run it as ``python -m shardcache_server.endpoint``.
+The transports that carry requests (``unix.py``, ``flight.py``) only move
+what :meth:`Endpoint.handle` returns; ``shm.py`` owns the chunk files.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
-import signal
-import socketserver
-import threading
-from collections import OrderedDict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
 from shardcache import errors
-from shardcache.chunk_file import write_chunk_file
-from shardcache.client import CacheClient
 from shardcache.config import ClientConfig
-from shardcache.endpoint import (
+from shardcache.errors import ConfigError, ShardCacheError
+from shardcache.index import RedisIndex
+from shardcache.keys import usage_prefix
+from shardcache.transport.base import Status
+from shardcache.transport.direct import CacheClient
+from shardcache.transport.wire import (
     DEFAULT_SOCKET,
     INDEX_OPS,
     MAX_FDS_PER_FRAME,
+    error_reply,
     load_callable,
-    recv_frame,
-    send_frame,
-    usage_prefix,
 )
-from shardcache.errors import ConfigError, ShardCacheError
-from shardcache.index import RedisIndex
 from shardcache.usage import APPLY_SCRIPT
+from shardcache_server.endpoint.shm import ShmFiles
 from shardcache_server.settings import ServiceSettings
 
-__all__ = ["Endpoint", "EndpointSettings", "ShmFiles", "main", "serve_unix"]
+__all__ = ["Endpoint", "EndpointSettings", "Files"]
 
 log = logging.getLogger(__name__)
 
@@ -101,102 +85,6 @@ class EndpointSettings(ServiceSettings):
     flight_tls_key: str | None = None
 
 
-class ShmFiles:
-    """Chunk files in a memory-backed directory, one per (chunk, version), LRU-bounded.
-
-    Args:
-        directory: where to write them (created).
-        max_bytes: bytes kept; past it the least recently handed over go.
-    """
-
-    def __init__(self, directory: str | Path, max_bytes: int):
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.max_bytes = max_bytes
-        self._lock = threading.Lock()
-        self._files: OrderedDict[str, tuple[Path, int]] = OrderedDict()
-        self._writing: dict[str, threading.Lock] = {}
-        self._bytes = 0
-        self._uncached = 0
-        self.written = 0  # files written (each one copy of a chunk on this node)
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
-    def ensure(
-        self,
-        key: tuple[Any, ...],
-        columns: Callable[[], dict[str, Any]],
-        meta: dict[str, Any],
-        keep: bool = True,
-    ) -> tuple[Path, bool]:
-        """The file of ``key``, written from ``columns()`` unless it exists.
-
-        ``keep=False`` (a chunk the store did not cache) writes a file of its
-        own that the caller unlinks once handed over. Returns ``(path, unlink)``.
-        """
-        name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
-        if not keep:
-            with self._lock:
-                self._uncached += 1
-                path = self.directory / f"u{self._uncached}-{name}.chunk"
-            write_chunk_file(path, columns(), meta)
-            self.written += 1
-            return path, True
-        with self._lock:
-            found = self._files.get(name)
-            if found is not None:
-                self._files.move_to_end(name)
-                return found[0], False
-            writing = self._writing.setdefault(name, threading.Lock())
-        with writing:  # two ranks asking at once: one writes, the other waits
-            try:
-                with self._lock:
-                    found = self._files.get(name)
-                    if found is not None:
-                        return found[0], False
-                path = self.directory / f"{name}.chunk"
-                size = write_chunk_file(path, columns(), meta)
-                self.written += 1
-                with self._lock:
-                    self._files[name] = (path, size)
-                    self._bytes += size
-                    self._evict(keep_name=name)
-            finally:
-                with self._lock:
-                    self._writing.pop(name, None)
-        return path, False
-
-    def discard(self, key: tuple[Any, ...]) -> None:
-        """Forget the file of ``key`` (it failed its checksum); ranks mapping
-        it keep their pages, the next ``ensure`` writes a new one."""
-        name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
-        with self._lock:
-            found = self._files.pop(name, None)
-            if found is not None:
-                self._bytes -= found[1]
-        if found is not None:
-            found[0].unlink(missing_ok=True)
-
-    def _evict(self, keep_name: str) -> None:
-        while self._bytes > self.max_bytes and len(self._files) > 1:
-            name, (path, size) = next(iter(self._files.items()))
-            if name == keep_name:
-                self._files.move_to_end(name)
-                continue
-            del self._files[name]
-            self._bytes -= size
-            path.unlink(missing_ok=True)  # ranks mapping it keep their pages
-
-    def clear(self) -> None:
-        with self._lock:
-            for path, _ in self._files.values():
-                path.unlink(missing_ok=True)
-            self._files.clear()
-            self._bytes = 0
-
-
 class Endpoint:
     """Answers one request (a JSON dict) with a JSON reply and the chunk files
     to hand over; the transports (Unix socket, Flight) only move them.
@@ -234,10 +122,10 @@ class Endpoint:
         try:
             return self._dispatch(op, message)
         except ShardCacheError as exc:
-            return _error(exc), []
+            return error_reply(exc), []
         except Exception as exc:  # a reply, never a dead connection
             log.exception("endpoint %s failed", op)
-            return _error(
+            return error_reply(
                 errors.BackendError(f"the cache endpoint failed on {op}: {exc!r}")
             ), []
 
@@ -258,7 +146,7 @@ class Endpoint:
                 name, digest = m["name"], str(m["digest"])
                 ref = self.client.manifest_of(name, digest)
             return _ok({"digest": digest}), [self._manifest_file(name, digest, ref)]
-        if op == "register_dataset":
+        if op == "install":
             spec = m["spec"]
             pre_fp, _, target_fp = str(spec["fingerprint"]).partition("+target:")
             preprocess = load_callable(m["preprocess"], pre_fp, "preprocess")
@@ -267,7 +155,7 @@ class Endpoint:
                 if m.get("target")
                 else None
             )
-            self.client.register(spec, preprocess, target)
+            self.client.install(spec, preprocess, target)
             return _ok(None), []
         if op == "get":
             return self._get(m)
@@ -314,7 +202,7 @@ class Endpoint:
                     (self.settings.namespace, name, generation, key, version),
                     lambda columns=columns: columns,
                     {"dataset": name, "chunk": key, "version": version},
-                    keep=status != "uncached",
+                    keep=status != Status.UNCACHED,
                 )
             )
         return {"statuses": statuses}, files
@@ -357,91 +245,3 @@ class Endpoint:
 def _ok(result: Any) -> dict[str, Any]:
     return {"result": result}
 
-
-def _error(exc: ShardCacheError) -> dict[str, Any]:
-    return {"error": {"type": type(exc).__name__, "message": str(exc)}}
-
-
-# -- the Unix socket ----------------------------------------------------------------------
-class _Handler(socketserver.BaseRequestHandler):
-    server: _UnixServer
-
-    def handle(self) -> None:
-        sock = self.request
-        while True:
-            try:
-                message, fds = recv_frame(sock)
-            except (EOFError, OSError, ValueError):
-                return
-            for fd in fds:  # ranks send none; never keep what a peer pushed
-                os.close(fd)
-            reply, files = self.server.endpoint.handle(message)
-            opened = []
-            try:
-                for path, unlink in files:
-                    opened.append(os.open(path, os.O_RDONLY))
-                    if unlink:
-                        path.unlink(missing_ok=True)
-                send_frame(sock, reply, opened)
-            except OSError:
-                return
-            finally:
-                for fd in opened:
-                    os.close(fd)
-
-
-class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
-
-    def __init__(self, path: str, endpoint: Endpoint):
-        self.endpoint = endpoint
-        super().__init__(path, _Handler)
-
-
-def serve_unix(endpoint: Endpoint) -> _UnixServer:
-    """Bind the endpoint's socket (replacing a stale one) and return the server;
-    call ``serve_forever()`` on it."""
-    path = Path(endpoint.settings.endpoint_socket)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)  # a socket left by a previous pod
-    server = _UnixServer(str(path), endpoint)
-    os.chmod(path, endpoint.settings.endpoint_socket_mode)
-    return server
-
-
-def main() -> None:
-    """Run the endpoint until SIGTERM: Unix socket, and Flight when configured."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    settings = EndpointSettings()
-    endpoint = Endpoint(settings)
-    endpoint.start()
-    flight_server = None
-    if settings.flight_port:
-        from shardcache_server.flight import serve_flight
-
-        flight_server = serve_flight(endpoint)
-        threading.Thread(target=flight_server.serve, daemon=True).start()
-    server = serve_unix(endpoint)
-
-    def stop(*_: Any) -> None:
-        threading.Thread(target=server.shutdown, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, stop)
-    log.info(
-        "shardcache endpoint on %s (node %s, flight port %s)",
-        settings.endpoint_socket,
-        settings.node_name or "?",
-        settings.flight_port or "off",
-    )
-    try:
-        server.serve_forever()
-    finally:
-        server.server_close()
-        Path(settings.endpoint_socket).unlink(missing_ok=True)
-        if flight_server is not None:
-            flight_server.shutdown()
-        endpoint.files.clear()
-
-
-if __name__ == "__main__":
-    main()

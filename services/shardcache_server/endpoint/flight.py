@@ -8,7 +8,7 @@ chunk file's bytes, sent from the mapped file without an Arrow copy). A
 failed request streams one row whose ``error`` is the JSON error, so the
 rank raises the project's own error type. Every call must carry
 ``authorization: Bearer <flight_token>``; with a certificate and key the
-server speaks ``grpc+tls``. The client is ``sdk/shardcache/remote.py``.
+server speaks ``grpc+tls``. The client is ``shardcache.transport.flight``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from shardcache.errors import ConfigError
-from shardcache_server.endpoint import Endpoint
+from shardcache.transport.base import Status
+from shardcache_server.endpoint.service import Endpoint
 
 __all__ = ["FlightService", "serve_flight"]
 
@@ -87,7 +88,7 @@ class FlightService(flight.FlightServerBase):
         if "error" in reply:
             table = pa.table(
                 {
-                    "status": ["error"],
+                    "status": [Status.ERROR],
                     "error": [json.dumps(reply["error"])],
                     "data": pa.array([b""], pa.large_binary()),
                 },

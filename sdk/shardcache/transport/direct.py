@@ -1,4 +1,4 @@
-"""A process's handle on the cache: the Redis index plus its node's store."""
+"""The direct transport: a Ray process reads its node's store and the Redis index."""
 
 from __future__ import annotations
 
@@ -12,13 +12,11 @@ from shardcache.errors import ConfigError, ShardCacheError, ShardUnavailable
 from shardcache.index import RedisIndex
 from shardcache.manifest import Manifest
 from shardcache.starters import store_starter
+from shardcache.transport.base import Status
 
 __all__ = ["CacheClient", "DatasetSpec"]
 
 STORE_RETRIES = 3  # a restarted store is re-registered and asked again
-_ERRORS: dict[str, type[ShardCacheError]] = {
-    name: getattr(errors, name) for name in errors.__all__
-}
 
 # name, urls, protocol, storage_options, fingerprint, generation, manifest digest,
 # chunk_bytes, chunk_samples
@@ -41,11 +39,6 @@ def _pickle_main_by_value(fn: Callable[..., Any]) -> None:
         ray.cloudpickle.register_pickle_by_value(module)
 
 
-def raise_item_error(kind: str, message: str) -> None:
-    """Re-raise an error a store reported for one item as our own type."""
-    raise _ERRORS.get(kind, errors.BackendError)(message)
-
-
 class CacheClient:
     """Talks to the index and to this node's store; one per process.
 
@@ -53,6 +46,7 @@ class CacheClient:
         config: where Redis and Ray are. Nothing connects until first use.
     """
 
+    needs_ray = True
     remote = False  # chunks come from this node's object store (or Ray moves them)
 
     def __init__(self, config: ClientConfig | None = None):
@@ -60,7 +54,7 @@ class CacheClient:
         self._index: RedisIndex | None = None
         self._redis_url: str | None = self.config.redis_url
         self._store: Any = None
-        self._registered: dict[str, tuple[DatasetSpec, tuple[Any, ...]]] = {}
+        self._installed: dict[str, tuple[DatasetSpec, tuple[Any, ...]]] = {}
 
     # -- connections -------------------------------------------------------------
     @property
@@ -207,7 +201,7 @@ class CacheClient:
             )
         )
 
-    def register(
+    def install(
         self,
         spec: DatasetSpec,
         preprocess: Callable[[bytes], Any],
@@ -221,11 +215,11 @@ class CacheClient:
         if target is not None:
             _pickle_main_by_value(target)
         fns = (preprocess, target)
-        self._registered[spec["name"]] = (spec, fns)
+        self._installed[spec["name"]] = (spec, fns)
         try:
             self._call(
                 lambda: ray.get(
-                    self._store.register.remote(spec, *fns),
+                    self._store.install.remote(spec, *fns),
                     timeout=self.config.request_timeout_s,
                 )
             )
@@ -267,18 +261,18 @@ class CacheClient:
                     timeout=self.config.request_timeout_s,
                 )
             )
-            if results and results[0][0] == "unregistered":
-                spec, fns = self._registered[name]
+            if results and results[0][0] == Status.UNINSTALLED:
+                spec, fns = self._installed[name]
                 spec = {**spec, "generation": generation}
                 self._call(
                     lambda spec=spec, fns=fns: ray.get(
-                        self._store.register.remote(spec, *fns)
+                        self._store.install.remote(spec, *fns)
                     )
                 )
                 continue
             for res in results:
-                if res[0] == "error":
-                    raise_item_error(res[1], res[2])
+                if res[0] == Status.ERROR:
+                    raise errors.error_type(res[1])(res[2])
             return [(r[0], r[1]) for r in results]
         raise ShardUnavailable(
             f"the store kept losing dataset {name!r}; see the store logs."
@@ -300,8 +294,8 @@ class CacheClient:
                 last = exc
                 time.sleep(min(2.0, 0.2 * 2**attempt))
                 self._store = self._start_stores()
-                for spec, fns in self._registered.values():
-                    ray.get(self._store.register.remote(spec, *fns))
+                for spec, fns in self._installed.values():
+                    ray.get(self._store.install.remote(spec, *fns))
             except ray.exceptions.RayTaskError as exc:
                 # The store raised one of our errors (a listing that found
                 # nothing, a bad URL): surface it as itself, not as a Ray error.

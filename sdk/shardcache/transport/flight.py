@@ -27,8 +27,10 @@ import numpy as np
 
 from shardcache.chunk_file import read_chunk_buffer
 from shardcache.config import ClientConfig
-from shardcache.endpoint import ProxyClient, raise_reply_error
 from shardcache.errors import ConfigError, EndpointUnavailable
+from shardcache.transport.base import Status
+from shardcache.transport.proxy import ProxyClient
+from shardcache.transport.wire import raise_reply_error
 
 __all__ = ["FlightClient"]
 
@@ -139,7 +141,8 @@ class FlightClient(ProxyClient):
             table.column("status").to_pylist(), _buffers(table), strict=True
         ):
             # A hit on another node's store is a peer hit for this rank.
-            out.append(("remote-hit" if status == "hit" else status, _columns(data)))
+            status = Status.REMOTE_HIT if status == Status.HIT else Status(status)
+            out.append((status, _columns(data)))
         return out
 
     def _manifest_columns(

@@ -1,5 +1,5 @@
-"""The node-local endpoint's client side without a cluster: the wire format over a
-real socket pair, how the read path is chosen, and preprocess by name."""
+"""The transports without a cluster: the wire format over a real socket pair, how
+the read path is chosen, preprocess by name, and the Transport protocol's cut."""
 
 from __future__ import annotations
 
@@ -10,21 +10,24 @@ import numpy as np
 import pytest
 
 from shardcache.chunk_file import read_chunk_buffer, write_chunk_file
-from shardcache.client import CacheClient
+from shardcache.chunks import FAILED
 from shardcache.config import ClientConfig
 from shardcache.decoders import raw_bytes
-from shardcache.endpoint import (
-    EndpointClient,
-    _map_fd,
+from shardcache.errors import ConfigError, EndpointUnavailable, ShardCacheError
+from shardcache.fingerprint import fingerprint
+from shardcache.manifest import Manifest
+from shardcache.reader import ChunkReader
+from shardcache.transport.base import Status, Transport
+from shardcache.transport.direct import CacheClient
+from shardcache.transport.flight import FlightClient
+from shardcache.transport.read_path import open_client
+from shardcache.transport.unix import EndpointClient, _map_fd
+from shardcache.transport.wire import (
     callable_name,
     load_callable,
-    open_client,
     recv_frame,
     send_frame,
 )
-from shardcache.errors import ConfigError, EndpointUnavailable
-from shardcache.fingerprint import fingerprint
-from shardcache.remote import FlightClient
 
 
 def test_endpoint_frames_carry_json_and_read_only_descriptors(tmp_path):
@@ -110,7 +113,7 @@ def test_remote_chunk_bytes_are_viewed_in_place_unless_a_column_would_be_misalig
 ):
     import pyarrow as pa
 
-    from shardcache.remote import _columns
+    from shardcache.transport.flight import _columns
 
     for dtype, copied in ((np.uint8, False), (np.int64, True)):
         path = tmp_path / f"{np.dtype(dtype).name}.chunk"
@@ -121,3 +124,90 @@ def test_remote_chunk_bytes_are_viewed_in_place_unless_a_column_would_be_misalig
         assert columns["_"].tolist() == np.arange(24).reshape(4, 6).tolist()
         assert columns["_"].flags.aligned
         assert np.shares_memory(columns["_"], np.frombuffer(raw, np.uint8)) != copied
+
+
+def test_transport_every_client_implements_the_protocol(tmp_path):
+    clients = [
+        CacheClient(ClientConfig()),
+        EndpointClient(ClientConfig(), str(tmp_path / "endpoint.sock")),
+        FlightClient(ClientConfig(remote_url="grpc://10.0.0.1:8815")),
+    ]
+    assert [isinstance(c, Transport) for c in clients] == [True, True, True]
+    assert [(c.needs_ray, c.remote) for c in clients] == [
+        (True, False),
+        (False, False),
+        (False, True),
+    ]
+
+
+class _ListTransport:
+    """A transport over chunks held in a dict: what a test double needs to
+    implement for the reader, and nothing else (the cut of transport/base.py)."""
+
+    needs_ray = False
+    remote = False
+    index = None
+    redis_url = ""
+    retryable_errors = (ShardCacheError,)
+
+    def __init__(self, chunks: dict[str, dict[str, np.ndarray]]):
+        self.config = ClientConfig()
+        self.chunks = chunks
+        self.calls: list[list[str]] = []
+
+    def manifest(self, spec, token=""):
+        raise NotImplementedError
+
+    def manifest_of(self, name, digest):
+        raise NotImplementedError
+
+    def map_manifest(self, handle):
+        return handle
+
+    def install(self, spec, preprocess, target=None):
+        pass
+
+    def resolve(self, name, generation, items, digest=None):
+        self.calls.append([key for key, _, _ in items])
+        status = Status.FETCHED if len(self.calls) == 1 else Status.HIT
+        return [(status, self.chunks[key]) for key, _, _ in items]
+
+    def drop_corrupt(self, name, generation, chunk, version):
+        return False
+
+
+def test_transport_a_test_double_drives_the_reader_and_statuses_count_as_origins():
+    manifest = Manifest.from_entries(
+        "file", [f"/d/{i}" for i in range(6)], [4] * 6, ["e"] * 6
+    )
+    manifest.columns["chunk_starts"] = np.array([0, 3, 6])
+    transport = _ListTransport(
+        {
+            "c0": {"_": np.arange(3)[:, None] * [1, 1], FAILED: np.zeros(3, bool)},
+            "c1": {"_": np.arange(3, 6)[:, None] * [1, 1], FAILED: np.zeros(3, bool)},
+        }
+    )
+    assert isinstance(transport, Transport)
+    reader = ChunkReader(transport, "ds", manifest, manifest.digest, 2**20, 5.0)
+    reader.use_generation(1)
+    indices = np.array([5, 0, 4])
+    chunk_ids, rows = reader.locate(indices)
+    chunks = reader.chunks_for(chunk_ids)
+    batch = reader.collate(chunks, chunk_ids, rows, indices, pin_memory=False)
+    assert batch[:, 0].tolist() == [5, 0, 4]
+    assert reader.count(chunk_ids, indices)["source"] == 3  # Status.FETCHED
+    reader.new_epoch()
+    assert reader.count(chunk_ids, indices)["local"] == 3  # held since
+    assert transport.calls == [["c0", "c1"]]  # one call for the batch's chunks
+
+
+def test_transport_an_error_crosses_the_wire_as_its_own_type_and_never_as_a_builtin():
+    from shardcache.errors import BackendError, SourceNotFound
+    from shardcache.transport.wire import error_reply, raise_reply_error
+
+    with pytest.raises(SourceNotFound, match="gone"):
+        raise_reply_error(error_reply(SourceNotFound("gone")))
+    with pytest.raises(BackendError, match="boom") as err:
+        raise_reply_error({"error": {"type": "SystemExit", "message": "boom"}})
+    assert type(err.value) is BackendError
+    raise_reply_error({"result": 1})  # no error: returns

@@ -1,0 +1,144 @@
+"""The read path's declared interface: the calls a rank makes, and a chunk's status.
+
+Where the cut is: everything above a :class:`Transport` (the dataset, its
+reader and sampler, the checksum checks, the usage reports) is the same on
+every read path; a transport only carries the calls below to the cluster and
+the chunk columns back. A transport owns its connections and retries and
+maps its backend's failures to the project's errors (``shardcache.errors``);
+it never decides what to read, in which order, or how to count it. So a new
+path (or a test double) implements these methods and nothing above changes,
+as an httpx transport implements ``handle_request`` under the client.
+
+Today's transports: ``direct.CacheClient`` (a Ray process, its node's
+store), ``unix.EndpointClient`` (this node's cache worker over a Unix
+socket) and ``flight.FlightClient`` (another node's cache worker over Arrow
+Flight); ``read_path.open_client`` picks one.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from shardcache.config import ClientConfig
+from shardcache.manifest import ChunkItem, Manifest
+
+__all__ = ["Status", "Transport"]
+
+
+class Status(enum.StrEnum):
+    """What a store did for one chunk of a request.
+
+    A ``str`` enum: the values are the strings stores, endpoints, Redis and
+    JSON carry, so ``Status.HIT == "hit"`` and a reply is unchanged on the wire.
+
+    >>> Status("remote-hit").origin, Status.UNCACHED.origin, Status.HIT == "hit"
+    ('peer', 'source', True)
+    """
+
+    HIT = "hit"  # held by the store that answered
+    REMOTE_HIT = "remote-hit"  # held by another node's store
+    FETCHED = "fetched"  # read from the source for this request, now held
+    UNCACHED = "uncached"  # read from the source, not held (the policy said no)
+    UNINSTALLED = "uninstalled"  # the store lost the dataset's install (restarted)
+    ERROR = "error"  # the item failed: the result carries (error type, message)
+
+    @property
+    def origin(self) -> str:
+        """Where a delivered sample came from, as the usage figures count it:
+        ``local``, ``peer`` or ``source`` (``shardcache.usage.ORIGINS``)."""
+        if self in (Status.FETCHED, Status.UNCACHED):
+            return "source"
+        return "peer" if self is Status.REMOTE_HIT else "local"
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """One process's way to the cache: the index calls, manifests and chunks.
+
+    The cut: the dataset, reader and usage reports call only these members and
+    never ask which transport they hold; the transport carries the calls and
+    the chunk columns, owns its connections and retries, and raises only the
+    project's errors (see the module docstring).
+
+    Attributes:
+        config: the client settings it was opened with.
+        needs_ray: the process joins Ray to read (it cannot be forked from a
+            Ray driver, and it can ship Python objects to the stores).
+        remote: chunks cross the network to reach this process; it then
+            counts ``received_bytes`` and ``received_s``.
+        index: the ``RedisIndex`` calls a rank makes (register, generation,
+            invalidate, record_rank, entries, and ``index.client`` for usage).
+        redis_url: the index's URL, or ``""`` when the index is reached
+            through a cache worker.
+    """
+
+    config: ClientConfig
+    needs_ray: bool
+    remote: bool
+    index: Any
+    redis_url: str
+
+    @property
+    def retryable_errors(self) -> tuple[type[Exception], ...]:
+        """Errors a background prefetch swallows (the loop asks again)."""
+        ...
+
+    def manifest(self, spec: dict[str, Any], token: str = "") -> tuple[Any, str]:
+        """``(handle, digest)`` of the dataset's listing, listed once per cluster;
+        ``token`` asks for a new listing (every rank of a refresh passes the
+        same one), ``""`` takes the published one."""
+        ...
+
+    def manifest_of(self, name: str, digest: str) -> Any:
+        """The handle of listing ``digest`` of ``name`` (a DataLoader worker
+        maps the manifest its parent read).
+
+        Raises:
+            StaleVersionError: no store holds that listing any more.
+        """
+        ...
+
+    def map_manifest(self, handle: Any) -> Manifest:
+        """The :class:`Manifest` behind a handle (zero-copy where it can)."""
+        ...
+
+    def install(
+        self,
+        spec: dict[str, Any],
+        preprocess: Callable[[bytes], Any],
+        target: Callable[[str], Any] | None = None,
+    ) -> None:
+        """Hand the stores what they need to build this dataset's chunks: the
+        fetch settings, preprocess and target (not the index's dataset record,
+        which ``index.register`` creates).
+
+        Raises:
+            ConfigError: the stores cannot load ``preprocess`` or ``target``.
+        """
+        ...
+
+    def resolve(
+        self,
+        name: str,
+        generation: int,
+        items: Sequence[ChunkItem],
+        digest: str | None = None,
+    ) -> list[tuple[str, Any]]:
+        """``(Status, columns)`` per item, in order; columns are read-only
+        views (the object store, shared memory or the received stream).
+
+        Raises:
+            StaleVersionError: ``generation`` was invalidated meanwhile.
+            ShardCacheError: the first failing item's error, as its own type.
+            ShardUnavailable: the cache did not answer.
+        """
+        ...
+
+    def drop_corrupt(
+        self, name: str, generation: int, chunk: str, version: str
+    ) -> bool:
+        """Tell the cache that ``chunk`` fails its checksum here, so the next
+        request builds it again; True if a store dropped it."""
+        ...
