@@ -39,10 +39,10 @@ from ray.data import Datasource, ReadTask
 from ray.data.block import BlockAccessor, BlockMetadata
 from ray.util.annotations import RayDeprecationWarning
 
+from shardcache import errors
 from shardcache.checksum import check_resolved
 from shardcache.chunks import PLAIN_FIELD, Chunk
 from shardcache.config import ClientConfig
-from shardcache import errors
 from shardcache.errors import ConfigError, StaleVersionError
 from shardcache.flusher import keep_flushed
 from shardcache.manifest import ChunkItem
