@@ -20,10 +20,16 @@ workers space them.
 Only the first batches of a pass are checked (one vector compare over the
 rank's order each), and a loader whose batches are not runs of that order
 (another sampler, a stale epoch in a persistent worker) switches the check
-off instead of guessing.
+off instead of guessing. If such a batch holds samples of other ranks'
+shards, the loader does not use ``ds.sampler`` at all (the Hugging Face
+``Trainer``'s own ``RandomSampler``, or a DataLoader with ``shuffle=True``):
+the data may still be right if something downstream splits it over the
+ranks, but every rank reads from every node, so that is a warning, once.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 
@@ -42,6 +48,7 @@ class DeliveryAudit:
     """
 
     def __init__(self, start: int = 0) -> None:
+        self._warned = False  # the foreign-sampler warning: once per sampler
         self.reset(start)
 
     def reset(self, start: int | None = None) -> None:
@@ -64,6 +71,7 @@ class DeliveryAudit:
         num_workers: int = 1,
         *,
         yielded: int | None = None,
+        shard: np.ndarray | None = None,
     ) -> None:
         """Record one batch of ``idx``.
 
@@ -74,6 +82,8 @@ class DeliveryAudit:
                 ``order`` it has yielded (the pass began at :meth:`reset`'s
                 ``start``); ``None`` in a DataLoader worker,
                 whose copy of the sampler is not the one iterated.
+            shard: this rank's stable shard, ascending (None: every rank
+                reads from all samples, ``shuffle="global"``).
 
         Raises:
             ShardedTwiceError: the batch is not where a loader that gives
@@ -93,6 +103,9 @@ class DeliveryAudit:
         n = len(idx)
         if not len(hits) or not np.array_equal(order[hits[0] : hits[0] + n], idx):
             self._checked = AUDIT_BATCHES  # not this order's runs: nothing to tell
+            if shard is not None and not self._warned and _outside(shard, idx):
+                self._warned = True
+                warnings.warn(_foreign_sampler(world_size), stacklevel=4)
             return
         pos = int(hits[0])
         if self._checked == 1 and yielded is not None:
@@ -105,6 +118,25 @@ class DeliveryAudit:
         last, self._last = self._last, (pos, n)
         if last is not None and pos - last[0] == world_size * num_workers * last[1]:
             raise _split_again(world_size)
+
+
+def _outside(shard: np.ndarray, idx: np.ndarray) -> bool:
+    """Whether any of ``idx`` is not in the ascending ``shard``."""
+    at = np.minimum(np.searchsorted(shard, idx), len(shard) - 1)
+    return bool(len(shard) == 0 or np.any(shard[at] != idx))
+
+
+def _foreign_sampler(world_size: int) -> str:
+    return (
+        f"this rank (of {world_size}) is asked for samples of other ranks' "
+        "shards: its DataLoader does not use ds.sampler (the Hugging Face "
+        "Trainer's own sampler, or shuffle=True), so every rank reads from "
+        "every node instead of its node-local shard, ds.set_epoch is not "
+        "called through the sampler, and unless the trainer splits the loader "
+        "over the ranks each rank reads the whole dataset. Use "
+        "DataLoader(ds, batch_size=B, sampler=ds.sampler), or with the Hugging "
+        "Face Trainer the subclass of docs/trainers.md."
+    )
 
 
 def _split_again(world_size: int) -> ShardedTwiceError:

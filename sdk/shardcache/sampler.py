@@ -236,6 +236,7 @@ class ShardSampler(DistributedSampler[int]):
             info.num_workers if info is not None else 1,
             # A worker's copy of the sampler is not the one iterated.
             yielded=self._yielded if info is None else None,
+            shard=self._shard if self.mode == "shard" else None,
         )
 
     def order(self, epoch: int | None = None) -> np.ndarray:

@@ -42,6 +42,7 @@ def loader_of(sampler: ShardSampler, **kw) -> DataLoader:
     )
 
 
+@pytest.mark.filterwarnings("error")
 @pytest.mark.parametrize("rank", [0, 1])
 def test_audit_plain_loader_delivers_the_shard_every_epoch(rank):
     s = ShardSampler(SIZES, rank, 2)
@@ -49,6 +50,18 @@ def test_audit_plain_loader_delivers_the_shard_every_epoch(rank):
         s.set_epoch(epoch)
         got = [i for batch in loader_of(s) for i in batch]
         assert got == s.order().tolist()
+
+
+def test_audit_warns_once_when_the_loader_does_not_use_ds_sampler():
+    s = ShardSampler(SIZES, 0, 2)
+    ds = Batches(s)
+    with pytest.warns(UserWarning, match="does not use ds.sampler") as caught:
+        for _ in range(2):
+            s.set_epoch(_)
+            got = [i for b in DataLoader(ds, BATCH, shuffle=True, collate_fn=as_list)
+                   for i in b]  # fmt: skip
+    assert sorted(got) == list(range(sum(SIZES)))  # read, as asked
+    assert len([w for w in caught if "ds.sampler" in str(w.message)]) == 1
 
 
 @pytest.mark.parametrize("split_batches", [False, True])
