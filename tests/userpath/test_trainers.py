@@ -100,7 +100,7 @@ def test_trainers_torchrun_and_accelerate_deliver_every_sample_once(user):
 
     base = 1000
     env, out = make_data(user, "accel", base)
-    body = snippet("Accelerate (and the Hugging Face Trainer)")
+    body = snippet("Accelerate")
     proc = user.torchrun(script(user, "accel.py", body), env=env)
     check_counts(check_run(proc, out, base))
 
@@ -134,3 +134,29 @@ def test_trainers_lightning_defaults_and_dataset_built_before_fit(user):
     top = lightning_top_level(snippet("PyTorch Lightning"))
     proc = user.python(str(script(user, "top.py", top)), env=env)
     check_counts(check_run(proc, out, base))
+
+
+def test_trainers_hugging_face_trainer_reads_each_ranks_shard(user):
+    base = 5000
+    env, out = make_data(user, "hf", base)
+    body = snippet("Hugging Face Trainer")
+    proc = user.torchrun(script(user, "hf.py", body), env=env)
+    check_counts(check_run(proc, out, base))
+    assert "does not use ds.sampler" not in proc.stderr
+
+    # The plain Trainer: its RandomSampler over all samples, split by
+    # Accelerate. Every sample once per epoch still, but not the rank's own
+    # shard: a warning naming the subclass, never silence.
+    base = 6000
+    env, out = make_data(user, "hfplain", base)
+    plain = body.replace("trainer = CachedTrainer(", "trainer = Trainer(")
+    assert plain != body
+    proc = user.torchrun(script(user, "hfplain.py", plain), env=env)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.stderr.count("does not use ds.sampler") == RANKS, proc.stderr[-6000:]
+    values = [json.loads((out / f"rank{r}.json").read_text())["values"] for r in (0, 1)]
+    per_epoch = SAMPLES // RANKS
+    for e in range(EPOCHS):
+        epoch = slice(e * per_epoch, (e + 1) * per_epoch)
+        union = [v for vals in values for v in vals[epoch]]
+        assert sorted(union) == list(range(base, base + SAMPLES)), f"epoch {e}"
