@@ -140,6 +140,16 @@ def test_trainers_lightning_defaults_and_dataset_built_before_fit(user):
     check_counts(check_run(proc, out, base))
 
 
+def test_trainers_lightning_ddp_spawn(user):
+    base = 8000
+    env, out = make_data(user, "spawn", base)
+    body = snippet("PyTorch Lightning")
+    spawn = body.replace('strategy="ddp",', 'strategy="ddp_spawn",')
+    assert spawn != body
+    proc = user.python(str(script(user, "spawn.py", spawn)), env=env)
+    check_counts(check_run(proc, out, base))
+
+
 def test_trainers_hugging_face_trainer_reads_each_ranks_shard(user):
     base = 5000
     env, out = make_data(user, "hf", base)
