@@ -21,9 +21,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from torch.utils.data import DistributedSampler, Sampler, get_worker_info
+from torch.utils.data import DistributedSampler, get_worker_info
 
 from shardcache.audit import DeliveryAudit
+from shardcache.batches import ShardBatchSampler, batch_bounds
 from shardcache.chunks import ChunkLayout
 from shardcache.errors import ConfigError
 from shardcache.resume import (
@@ -45,36 +46,6 @@ __all__ = [
 ]
 
 SHUFFLE_MODES = (True, False, "shard", "global")
-
-
-def batch_bounds(
-    length: int, shortest: int, batch_size: int, drop_last: bool = False
-) -> list[tuple[int, int]]:
-    """``(lo, hi)`` of each batch of a rank holding ``length`` samples when the
-    shortest rank holds ``shortest``, such that every rank takes the same
-    number of steps (DDP) and no sample is skipped or repeated.
-
-    Lengths differ by at most one after an elastic resume. When the shortest
-    rank ends on a full batch, a rank holding one sample more would need a
-    step of its own; that sample joins its last batch instead (a batch of
-    ``batch_size + 1``). With ``drop_last`` only full batches of the shortest
-    length are taken on every rank.
-
-    >>> batch_bounds(9, 8, 4)
-    [(0, 4), (4, 9)]
-    >>> batch_bounds(7, 6, 4)
-    [(0, 4), (4, 7)]
-    >>> batch_bounds(9, 8, 4, drop_last=True)
-    [(0, 4), (4, 8)]
-    """
-    if drop_last:
-        steps = shortest // batch_size
-        return [(i * batch_size, (i + 1) * batch_size) for i in range(steps)]
-    steps = -(-shortest // batch_size) if shortest else int(length > 0)
-    bounds = [(i * batch_size, min((i + 1) * batch_size, length)) for i in range(steps)]
-    if bounds and bounds[-1][1] < length:
-        bounds[-1] = (bounds[-1][0], length)
-    return bounds
 
 
 class ShardSampler(DistributedSampler[int]):
@@ -263,6 +234,9 @@ class ShardSampler(DistributedSampler[int]):
             indices,
             self.world_size,
             info.num_workers if info is not None else 1,
+            # A worker's copy of the sampler is not the one iterated.
+            yielded=self._yielded if info is None else None,
+            shard=self._shard if self.mode == "shard" else None,
         )
 
     def order(self, epoch: int | None = None) -> np.ndarray:
@@ -368,16 +342,23 @@ class ShardSampler(DistributedSampler[int]):
     def __iter__(self) -> Iterator[int]:
         self._resolve()
         self._check_world()
-        self._audit.reset()
         return self._iterate()
+
+    def _begin_pass(self) -> int:
+        """Start an iteration: take the resume's skip (once); returns it."""
+        self._resolve()
+        self._check_world()
+        start = self.take_skip()
+        self._yielded = start
+        self._used = True
+        self._audit.reset(start)
+        return start
 
     def _iterate(self) -> Iterator[int]:
         # A generator: nothing (the skip included) is taken until the first
         # index is asked for, so an iterator made and dropped by a loader's
         # restore does not consume the resume. ~40 ns per index.
-        start = self.take_skip()
-        self._yielded = start
-        self._used = True
+        start = self._begin_pass()
         for i in self.order()[start:].tolist():
             self._yielded += 1
             yield i
@@ -438,55 +419,6 @@ class ShardSampler(DistributedSampler[int]):
             self.resume_elastic(state["resumed_from"], state.get("plan_nodes"))
         self.resume(int(state["epoch"]), int(state["yielded"]))
         self._yielded = int(state["yielded"])
-
-
-class ShardBatchSampler(Sampler[list[int]]):
-    """A rank's batches of the current epoch, every rank the same number of steps.
-
-    Stateful like its sampler: the state is the sampler's (samples yielded).
-
-    Args:
-        sampler: the rank's ShardSampler. batch_size: samples per batch.
-        drop_last: only full batches. Defaults to ``False``.
-
-    Raises:
-        ConfigError: ``batch_size`` < 1.
-    """
-
-    def __init__(self, sampler: ShardSampler, batch_size: int, drop_last: bool = False):
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ConfigError(
-                f"batch_size must be an integer >= 1, got {batch_size!r}."
-            )
-        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
-
-    def _bounds(self, start: int) -> list[tuple[int, int]]:
-        s = self.sampler
-        # Ranks move in lockstep, so every rank skipped ``start`` samples too.
-        shortest = max(min(s.lengths()) - start, 0)
-        return batch_bounds(len(s) - start, shortest, self.batch_size, self.drop_last)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        s = self.sampler
-        s._resolve()
-        s._check_world()
-        s._audit.reset()
-        start = s.take_skip()
-        s._yielded = start
-        s._used = True
-        order = s.order()
-        for lo, hi in self._bounds(start):
-            s._yielded = start + hi
-            yield order[start + lo : start + hi].tolist()
-
-    def __len__(self) -> int:
-        return len(self._bounds(self.sampler.pending_skip))
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.sampler.load_state_dict(state)
 
 
 def first_steps(
