@@ -369,3 +369,63 @@ def test_parquet_file_rewritten_before_its_listing_read_is_stale(
         get_format("parquet").list_file(
             SourceFile(fs, key, url, etag, size), {}, 10, 2**20
         )
+
+
+def _lmdb_copies(tmp_path):
+    return sorted(p.name for p in (tmp_path / "shardcache-lmdb").iterdir())
+
+
+def test_s3_single_file_lmdb_is_read_from_its_own_key(
+    s3, s3fs_client, bucket, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "node"))
+    (tmp_path / "node").mkdir()
+    path = lmdb_dir(tmp_path / "db", 300)
+    # One object named like a directory: the data.mdb pages themselves.
+    s3fs_client.pipe({f"{bucket}/one/db.lmdb": (path / "data.mdb").read_bytes()})
+    options = s3.storage_options()
+    manifest = list_packed(
+        _spec(f"s3://{bucket}/one/db.lmdb", "lmdb", 100, options), None
+    )
+    rows = _build_all(manifest, options)
+    assert [bytes(r) for r in rows] == [bytes([i % 256]) * 200 for i in range(300)]
+
+
+def test_s3_lmdb_download_that_fails_leaves_nothing_and_old_copies_go(
+    s3, s3fs_client, bucket, tmp_path, monkeypatch
+):
+    from shardcache.errors import ConfigError, RemoteFetchError
+    from shardcache_server.emulator import FaultPlan
+    from shardcache_server.formats import SourceFile, get_format
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    key = f"{bucket}/db.lmdb/data.mdb"
+    s3fs_client.pipe({key: (lmdb_dir(tmp_path / "v1", 50) / "data.mdb").read_bytes()})
+    options = s3.storage_options()
+    spec = _spec(f"s3://{bucket}/db.lmdb", "lmdb", 10, options)
+    s3.set_faults(FaultPlan(truncate_rate=1.0))
+    with pytest.raises(RemoteFetchError):
+        list_packed(spec, None)
+    assert _lmdb_copies(tmp_path) == [_lock_name(tmp_path)]  # no .part left
+    s3.set_faults(FaultPlan())
+    first = list_packed(spec, None)
+    assert len(_build_all(first, options)) == 50
+    (old,) = [n for n in _lmdb_copies(tmp_path) if not n.endswith(".lock")]
+    # A newer version replaces the copy, and a part a killed download left.
+    (tmp_path / "shardcache-lmdb" / f"{old}.part999999").mkdir()
+    s3fs_client.pipe({key: (lmdb_dir(tmp_path / "v2", 70) / "data.mdb").read_bytes()})
+    second = list_packed(spec, first)
+    assert len(_build_all(second, options)) == 70
+    copies = [n for n in _lmdb_copies(tmp_path) if not n.endswith(".lock")]
+    assert len(copies) == 1 and copies != [old]
+    # A node without room for the copy says which directory to change.
+    url, etag, size = second.file(0)
+    fs, path = type(s3fs_client)(skip_instance_cache=True, **options), key[:-9]
+    huge = SourceFile(fs, path, url, "other", 2**62)
+    with pytest.raises(ConfigError, match="TMPDIR"):
+        get_format("lmdb").list_file(huge, {}, 10, 2**20)
+
+
+def _lock_name(tmp_path):
+    (lock,) = [n for n in _lmdb_copies(tmp_path) if n.endswith(".lock")]
+    return lock
