@@ -231,14 +231,19 @@ def main(argv: list[str] | None = None) -> None:
         fs = s3fs.S3FileSystem(skip_instance_cache=True, **emu.storage_options())
         bucket = "bench-formats"
         fs.mkdir(bucket)
+        previous = tempfile.tempdir
         with tempfile.TemporaryDirectory() as tmp:
             tempfile.tempdir = tmp  # LMDB's node copy: gone with this run
-            for case in CASES:
-                for cs in (0, args.chunk_samples):
-                    rows.append(
-                        _run_case(emu, fs, bucket, case, args.samples, args.width, cs)
-                    )
-            tempfile.tempdir = None
+            try:
+                for case in CASES:
+                    for cs in (0, args.chunk_samples):
+                        rows.append(
+                            _run_case(
+                                emu, fs, bucket, case, args.samples, args.width, cs
+                            )
+                        )
+            finally:
+                tempfile.tempdir = previous  # also when a case fails
     finally:
         emu.stop()
     command = "scripts/bench.sh formats " + " ".join(argv or sys.argv[1:])

@@ -6,6 +6,7 @@ read-ahead cache."""
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hashlib
 import random
 import re
@@ -16,6 +17,7 @@ import fsspec
 from shardcache.errors import (
     CorruptObjectError,
     RemoteFetchError,
+    SourceFormatError,
     SourceNotFound,
     StaleVersionError,
 )
@@ -30,6 +32,9 @@ _SINGLE_GET_MAX_BYTES = 32 * 2**20  # larger objects use s3fs's concurrent range
 _RANGES_IN_FLIGHT = 8  # ranged GETs of one unit at once (a unit asks for a few)
 _S3_PROTOCOLS = ("s3", "s3a")
 _CLIENT_MODULES = ("botocore", "aiobotocore", "aiohttp")  # errors s3fs may pass on
+_RANGE_ATTEMPTS = 4  # GETs of one range before its unit fails (s3fs retries 5xx too)
+_RANGE_BACKOFF_S = 0.05  # first backoff of a ranged GET; doubles, full jitter
+_RANGE_BACKOFF_MAX_S = 2.0
 
 
 class Fetcher:
@@ -231,37 +236,111 @@ def _stale(url: str, etag: str, now: str) -> StaleVersionError:
     )
 
 
+def _is_precondition_failed(exc: BaseException) -> bool:
+    """Whether S3 answered 412 (the ``If-Match`` ETag is not the object's):
+    told by the error code or HTTP status botocore parsed, on ``exc`` or the
+    errors it was raised from (s3fs wraps the ClientError in an OSError)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            code = str((response.get("Error") or {}).get("Code", ""))
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "412") or status == 412:
+                return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+class _ShortBody(OSError):
+    """A GET answered fewer bytes than its range asked (a cut connection)."""
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """Worth another GET: a dropped or cut connection, a timeout, a 5xx. Not
+    a missing object, a denied one, or a 412 (another version: final)."""
+    if isinstance(exc, FileNotFoundError | PermissionError):
+        return False
+    if _is_precondition_failed(exc):
+        return False
+    if isinstance(exc, OSError | TimeoutError):
+        return True
+    return type(exc).__module__.split(".")[0] in _CLIENT_MODULES
+
+
 async def _s3_ranges(
     fs: Any, path: str, ranges: list[tuple[int, int]], etag: str, url: str
 ) -> list[bytes]:
     """One GET per range, each ``If-Match`` the listed ETag: S3 answers 412
     instead of bytes of another version, so a unit never mixes two, and
-    the check costs no request (a HEAD per unit would)."""
+    the check costs no request (a HEAD per unit would). A GET whose body
+    fails or comes short is sent again (``_RANGE_ATTEMPTS`` in all, with
+    jittered backoff); when one range fails for good, its siblings still
+    in flight are cancelled (a TaskGroup) rather than left running."""
     bucket, key, _ = fs.split_path(path)
     match = {"IfMatch": f'"{etag}"'} if etag and not etag.startswith("size-") else {}
     gate = asyncio.Semaphore(_RANGES_IN_FLIGHT)
 
+    async def get(lo: int, hi: int) -> bytes:
+        resp = await fs._call_s3(
+            "get_object",
+            Bucket=bucket,
+            Key=key,
+            Range=f"bytes={lo}-{hi - 1}",
+            **match,
+        )
+        try:
+            data = await resp["Body"].read()
+        finally:
+            resp["Body"].close()
+        if len(data) != hi - lo:
+            raise _ShortBody(f"{len(data)} of the {hi - lo} bytes at {lo}-{hi}")
+        return data
+
     async def one(lo: int, hi: int) -> bytes:
         async with gate:
-            resp = await fs._call_s3(
-                "get_object",
-                Bucket=bucket,
-                Key=key,
-                Range=f"bytes={lo}-{hi - 1}",
-                **match,
-            )
-            try:
-                return await resp["Body"].read()
-            finally:
-                resp["Body"].close()
+            for attempt in range(_RANGE_ATTEMPTS):
+                if attempt:
+                    delay = min(_RANGE_BACKOFF_MAX_S, _RANGE_BACKOFF_S * 2**attempt)
+                    await asyncio.sleep(random.uniform(0, delay))
+                try:
+                    return await get(lo, hi)
+                except Exception as exc:
+                    if attempt + 1 == _RANGE_ATTEMPTS or not _is_transient(exc):
+                        raise
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     try:
-        return list(await asyncio.gather(*(one(lo, hi) for lo, hi in ranges)))
-    except OSError as exc:
-        # s3fs maps 412 PreconditionFailed to EINVAL "pre-conditions ..."
-        if "pre-condition" in str(exc) or "PreconditionFailed" in str(exc):
-            raise _stale(url, etag, "a newer one") from exc
-        raise
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(lo, hi)) for lo, hi in ranges]
+    except BaseExceptionGroup as failed:
+        # The first failure, as a plain exception: the caller maps it. Not
+        # "from None", which would drop the ClientError s3fs chained to it.
+        raise failed.exceptions[0]  # noqa: B904
+    return [t.result() for t in tasks]
+
+
+def _slices(
+    ranges: list[tuple[int, int]],
+    merged: list[tuple[int, int]],
+    parts: list[bytes],
+) -> dict[tuple[int, int], bytes]:
+    """Each asked range cut out of the merged read holding it: one binary
+    search each (merged ranges are sorted and apart), not a scan of all.
+
+    >>> _slices([(2, 4), (0, 1), (3, 3)], [(0, 1), (2, 5)], [b"a", b"bcd"])
+    {(3, 3): b'', (2, 4): b'bc', (0, 1): b'a'}
+    """
+    starts = [lo for lo, _ in merged]
+    out: dict[tuple[int, int], bytes] = {r: b"" for r in ranges if r[1] <= r[0]}
+    for a, b in ranges:
+        if (a, b) in out:
+            continue
+        j = bisect.bisect_right(starts, a) - 1
+        lo, hi = merged[j]
+        assert lo <= a and b <= hi, "every asked range lies in one merged read"
+        out[(a, b)] = bytes(memoryview(parts[j])[a - lo : b - lo])
+    return out
 
 
 def read_ranges(
@@ -282,9 +361,12 @@ def read_ranges(
     from the listed version.
 
     Raises:
+        SourceFormatError: a range ends past the listed size (the layout the
+            listing kept does not fit the file).
         StaleVersionError: the file was rewritten since the listing.
         SourceNotFound: the file is gone.
-        RemoteFetchError: the store failed the reads.
+        RemoteFetchError: the store failed the reads, or sent fewer bytes
+            than asked, on every attempt.
 
     >>> import fsspec
     >>> fs = fsspec.filesystem("memory")
@@ -294,6 +376,14 @@ def read_ranges(
     ...             etag=etag, size=10)
     {(2, 4): b'\\x02\\x03', (4, 5): b'\\x04'}
     """
+    past = [(lo, hi) for lo, hi in ranges if hi > lo and (lo < 0 or hi > size)]
+    if past:
+        raise SourceFormatError(
+            f"{url!r}: the listing's layout asks for bytes {past[0][0]}-{past[0][1]} "
+            f"of a {size}-byte file (version {etag}); the layout does not fit the "
+            "file. Call DistributedCachedDataset.refresh() to list it again, or "
+            "report the file if it persists."
+        )
     merged = _coalesce([(lo, hi) for lo, hi in ranges if hi > lo])
     try:
         protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
@@ -317,22 +407,23 @@ def read_ranges(
         raise RemoteFetchError(
             f"permission denied reading {url!r}; check the store's credentials."
         ) from exc
-    except OSError as exc:
-        raise RemoteFetchError(f"reading {url!r} failed: {exc}") from exc
-    except Exception as exc:  # botocore/aiohttp errors that s3fs did not map
-        if type(exc).__module__.split(".")[0] not in _CLIENT_MODULES:
+    except Exception as exc:
+        if _is_precondition_failed(exc):
+            raise _stale(url, etag, "a newer one") from exc
+        if not isinstance(exc, OSError | TimeoutError) and (
+            type(exc).__module__.split(".")[0] not in _CLIENT_MODULES
+        ):
             raise
         raise RemoteFetchError(
-            f"reading {url!r} failed: {type(exc).__name__}: {exc}"
+            f"reading {url!r} failed after {_RANGE_ATTEMPTS} attempts: "
+            f"{type(exc).__name__}: {exc}. The source may be throttling or down."
         ) from exc
-    out: dict[tuple[int, int], bytes] = {r: b"" for r in ranges if r[1] <= r[0]}
     for (lo, hi), data in zip(merged, parts, strict=True):
         if isinstance(data, BaseException):
             raise RemoteFetchError(f"reading {url!r} failed: {data}") from data
         if len(data) != hi - lo:
-            raise _stale(url, etag, f"{len(data)} bytes at {lo}-{hi}")
-        view = memoryview(data)
-        for a, b in ranges:
-            if lo <= a and b <= hi and (a, b) not in out:
-                out[(a, b)] = bytes(view[a - lo : b - lo])
-    return out
+            raise RemoteFetchError(
+                f"reading {url!r} returned {len(data)} of the {hi - lo} bytes at "
+                f"{lo}-{hi}: the store cut the read short. Retry the build."
+            )
+    return _slices(ranges, merged, parts)

@@ -244,3 +244,188 @@ def test_local_file_rewritten_after_listing_raises_stale(tmp_path):
     fs, local = open_remote(url)
     with pytest.raises(StaleVersionError, match="rows.npy.*refresh"):
         SourceFile(fs, local, url, etag, size).read([(0, 16)])
+
+
+def _pipe_table(s3fs_client, key, table, **write):
+    import pyarrow.parquet as pq
+
+    out = io.BytesIO()
+    pq.write_table(table, out, **write)
+    s3fs_client.pipe({key: out.getvalue()})
+    return out.getvalue()
+
+
+def test_parquet_dotted_column_names_read_their_own_column_chunks(
+    s3, s3fs_client, bucket
+):
+    import pyarrow as pa
+
+    # "f.x" (a column) and "f" (a struct with child x) have the same
+    # path_in_schema, "f.x": only the schema's order tells them apart.
+    table = pa.table(
+        {
+            "f.x": np.arange(50, dtype=np.int64),
+            "f": pa.array([{"x": -i} for i in range(50)]),
+            "y": np.arange(50, dtype=np.float32) / 2,
+        }
+    )
+    _pipe_table(s3fs_client, f"{bucket}/d/p.parquet", table, row_group_size=20)
+    options = s3.storage_options()
+    for columns in (["f.x", "y"], ["f.x"], ["f"]):
+        manifest = list_packed(
+            _spec(
+                f"s3://{bucket}/d/p.parquet",
+                "parquet",
+                20,
+                options,
+                format_options={"columns": columns},
+            ),
+            None,
+        )
+        s3.reset_counts()
+        rows = []
+        for c in range(len(manifest.layout)):
+            columns_, report = build_unit(manifest, c, _unnest, None, options)
+            assert report["errors"] == {}, next(iter(report["errors"].values()))
+            chunk = Chunk(columns_)
+            rows += [chunk.sample(r) for r in range(len(chunk))]
+        assert s3.total_get_bytes == manifest.total_bytes, columns
+        assert sorted(rows[7]) == sorted(columns)
+        if "f.x" in columns:
+            assert [int(r["f.x"]) for r in rows] == list(range(50))
+        if "f" in columns:
+            assert [int(r["f"]) for r in rows] == [-i for i in range(50)]
+
+
+def _unnest(row):
+    """A struct cell's ``x``, every other value as it is, as arrays."""
+    return {k: np.asarray(v["x"] if isinstance(v, dict) else v) for k, v in row.items()}
+
+
+def test_parquet_unit_with_nulls_reads_its_bytes_once(s3, s3fs_client, bucket):
+    import pyarrow as pa
+
+    # A null makes the column path give up; the per-row path reuses its
+    # table (whose None the default preprocess then refuses, by name).
+    x = pa.array([None if i % 7 == 0 else float(i) for i in range(64)], pa.float64())
+    table = pa.table({"id": np.arange(64), "x": x})
+    _pipe_table(s3fs_client, f"{bucket}/n/p.parquet", table, row_group_size=16)
+    options = s3.storage_options()
+    manifest = list_packed(
+        _spec(f"s3://{bucket}/n/p.parquet", "parquet", 16, options), None
+    )
+    s3.reset_counts()
+    _, report = build_unit(manifest, 0, as_arrays, None, options)
+    assert set(report["errors"]) == {"0", "7", "14"}, report["errors"]
+    assert "'x'" in report["errors"]["7"][1]
+    assert s3.total_gets == 1
+    assert s3.total_get_bytes == manifest.chunk_source_bytes(0)
+    kept = build_unit(
+        manifest, 1, lambda row: np.array([row["x"] or -1.0]), None, options
+    )
+    assert kept[1]["errors"] == {} and s3.total_gets == 2
+
+
+def test_parquet_row_group_of_few_huge_rows_is_split_by_chunk_bytes(
+    s3, s3fs_client, bucket
+):
+    import pyarrow as pa
+
+    # 40 rows of 50 kB in one group: few rows, but 2 MB against 256 kB units.
+    blobs = [bytes([i]) * 50_000 for i in range(40)]
+    table = pa.table({"id": np.arange(40), "blob": blobs})
+    _pipe_table(s3fs_client, f"{bucket}/h/p.parquet", table, compression="none")
+    options = s3.storage_options()
+    manifest = list_packed(
+        _spec(
+            f"s3://{bucket}/h/p.parquet",
+            "parquet",
+            None,
+            options,
+            chunk_bytes=256 * 2**10,
+        ),
+        None,
+    )
+    assert len(manifest.layout) >= 7
+    rows = _build_all(manifest, options)
+    assert [bytes(r["blob"]) for r in rows] == blobs
+
+
+def test_parquet_file_rewritten_before_its_listing_read_is_stale(
+    s3, s3fs_client, bucket
+):
+    from shardcache_server.formats import SourceFile, get_format
+
+    key = f"{bucket}/r/p.parquet"
+    s3fs_client.pipe({key: parquet_bytes(100, row_group=10)})
+    info = s3fs_client.info(key)
+    etag, size = info["ETag"].strip('"'), info["size"]
+    # Rewritten between the source listing and the footer read: the footer
+    # of the new file must not be kept under the old ETag.
+    s3fs_client.pipe({key: parquet_bytes(100, row_group=50)})
+    fs = type(s3fs_client)(skip_instance_cache=True, **s3.storage_options())
+    url = f"s3://{key}"
+    with pytest.raises(StaleVersionError, match="p.parquet"):
+        get_format("parquet").list_file(
+            SourceFile(fs, key, url, etag, size), {}, 10, 2**20
+        )
+
+
+def _lmdb_copies(tmp_path):
+    return sorted(p.name for p in (tmp_path / "shardcache-lmdb").iterdir())
+
+
+def test_s3_single_file_lmdb_is_read_from_its_own_key(
+    s3, s3fs_client, bucket, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "node"))
+    (tmp_path / "node").mkdir()
+    path = lmdb_dir(tmp_path / "db", 300)
+    # One object named like a directory: the data.mdb pages themselves.
+    s3fs_client.pipe({f"{bucket}/one/db.lmdb": (path / "data.mdb").read_bytes()})
+    options = s3.storage_options()
+    manifest = list_packed(
+        _spec(f"s3://{bucket}/one/db.lmdb", "lmdb", 100, options), None
+    )
+    rows = _build_all(manifest, options)
+    assert [bytes(r) for r in rows] == [bytes([i % 256]) * 200 for i in range(300)]
+
+
+def test_s3_lmdb_download_that_fails_leaves_nothing_and_old_copies_go(
+    s3, s3fs_client, bucket, tmp_path, monkeypatch
+):
+    from shardcache.errors import ConfigError, RemoteFetchError
+    from shardcache_server.emulator import FaultPlan
+    from shardcache_server.formats import SourceFile, get_format
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    key = f"{bucket}/db.lmdb/data.mdb"
+    s3fs_client.pipe({key: (lmdb_dir(tmp_path / "v1", 50) / "data.mdb").read_bytes()})
+    options = s3.storage_options()
+    spec = _spec(f"s3://{bucket}/db.lmdb", "lmdb", 10, options)
+    s3.set_faults(FaultPlan(truncate_rate=1.0))
+    with pytest.raises(RemoteFetchError):
+        list_packed(spec, None)
+    assert _lmdb_copies(tmp_path) == [_lock_name(tmp_path)]  # no .part left
+    s3.set_faults(FaultPlan())
+    first = list_packed(spec, None)
+    assert len(_build_all(first, options)) == 50
+    (old,) = [n for n in _lmdb_copies(tmp_path) if not n.endswith(".lock")]
+    # A newer version replaces the copy, and a part a killed download left.
+    (tmp_path / "shardcache-lmdb" / f"{old}.part999999").mkdir()
+    s3fs_client.pipe({key: (lmdb_dir(tmp_path / "v2", 70) / "data.mdb").read_bytes()})
+    second = list_packed(spec, first)
+    assert len(_build_all(second, options)) == 70
+    copies = [n for n in _lmdb_copies(tmp_path) if not n.endswith(".lock")]
+    assert len(copies) == 1 and copies != [old]
+    # A node without room for the copy says which directory to change.
+    url, etag, size = second.file(0)
+    fs, path = type(s3fs_client)(skip_instance_cache=True, **options), key[:-9]
+    huge = SourceFile(fs, path, url, "other", 2**62)
+    with pytest.raises(ConfigError, match="TMPDIR"):
+        get_format("lmdb").list_file(huge, {}, 10, 2**20)
+
+
+def _lock_name(tmp_path):
+    (lock,) = [n for n in _lmdb_copies(tmp_path) if n.endswith(".lock")]
+    return lock

@@ -261,3 +261,35 @@ def test_lmdb_and_hdf5_files_that_vanish_fail_the_build_with_the_file_named(tmp_
     assert Chunk(columns).failed.all()
     assert all(kind == "SourceFormatError" for kind, _ in report["errors"].values())
     assert "e.lmdb" in report["errors"]["0"][1]
+
+
+def test_hdf5_unit_reads_its_chunks_without_copying_the_chunk_table(tmp_path):
+    import tracemalloc
+
+    import h5py
+
+    from shardcache.source import open_remote
+    from shardcache_server.formats import SourceFile, UnitRequest, get_format
+
+    # 20000 one-row chunks: a chunk table of 20000 x 5 int64 (800 kB).
+    x = np.arange(20000 * 8, dtype=np.float32).reshape(20000, 8)
+    with h5py.File(tmp_path / "rows.h5", "w") as h5:
+        h5.create_dataset("x", data=x, chunks=(1, 8))
+    url = str(tmp_path / "rows.h5")
+    fs, path = open_remote(url)
+    from shardcache_server.objects import _version_of
+
+    file = SourceFile(fs, path, url, _version_of(fs, fs.info(path)), fs.size(path))
+    fmt = get_format("hdf5")
+    units, meta = fmt.list_file(file, {}, 64, 2**20)
+    assert len(meta) > 20000 * 5 * 8
+    lo, hi = units.bounds[200]
+    unit = UnitRequest(file, lo, hi, [], meta, {})
+    tracemalloc.start()
+    try:
+        slab = fmt.read_columns(unit)["_"]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(slab, x[lo:hi])
+    assert peak < 200_000, peak  # the unit's 64 chunks, not the file's 20000

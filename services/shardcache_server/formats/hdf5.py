@@ -4,7 +4,9 @@ The listing opens each file once with h5py over an uncached fsspec file
 (every metadata read is one exact ranged GET: the superblock, object
 headers and chunk B-tree, a few KB) and keeps each dataset's storage
 layout in the manifest: the data offset of a contiguous dataset, or the
-byte offset and size of every chunk (``chunk_iter``). A build never opens
+byte offset and size of every chunk (``chunk_iter``), sorted by row, as
+raw arrays that a build views in place and binary-searches for its unit's
+chunks (no parse or copy of the file's whole table per unit). A build never opens
 the file: it reads its slab's bytes (a contiguous dataset's rows, or the
 chunks holding them, touching ones in one GET) and places them with numpy.
 Chunks that went through filters (gzip, shuffle, a plugin) are decoded by
@@ -99,7 +101,10 @@ def _chunk_table(dsid: Any) -> np.ndarray:
         for i in range(dsid.get_num_chunks()):
             add(dsid.get_chunk_info(i))
     rank = dsid.rank
-    return np.array(rows, dtype=np.int64).reshape(-1, rank + 3)
+    table = np.array(rows, dtype=np.int64).reshape(-1, rank + 3)
+    # By first row (then the other axes): a unit finds its chunks by binary
+    # search (B-tree order is by offset too, but it is not promised).
+    return table[np.lexsort(table[:, :rank][:, ::-1].T)] if len(table) else table
 
 
 def _template(dsid: Any) -> bytes:
@@ -167,17 +172,59 @@ def _describe(
     return entry
 
 
+_KEPT_MAGIC = b"SCH5"  # what the listing keeps: magic, header length, header, arrays
+_KEPT_ALIGN = 64  # each array starts at a multiple of this
+
+
 def _keep(entries: list[dict[str, Any]], arrays: dict[str, np.ndarray]) -> bytes:
-    out = io.BytesIO()
-    header = np.frombuffer(json.dumps(entries).encode(), np.uint8)
-    np.savez(out, header=header, **arrays)
-    return out.getvalue()
+    """The entries (JSON) and raw arrays at aligned offsets: a build views
+    the arrays it needs in place (no parse, no copy of a whole chunk table
+    per unit, as an ``.npz`` would load)."""
+    placed, blobs, at = {}, [], 0
+    for name, array in arrays.items():
+        data = np.ascontiguousarray(array)
+        placed[name] = [np.lib.format.dtype_to_descr(data.dtype), list(data.shape), at]
+        blobs.append(data.tobytes())
+        at += -(-len(blobs[-1]) // _KEPT_ALIGN) * _KEPT_ALIGN
+    header = json.dumps({"entries": entries, "arrays": placed}).encode()
+    start = -(-(len(_KEPT_MAGIC) + 8 + len(header)) // _KEPT_ALIGN) * _KEPT_ALIGN
+    out = bytearray(start + at)
+    out[:4], out[4:12] = _KEPT_MAGIC, len(header).to_bytes(8, "little")
+    out[12 : 12 + len(header)] = header
+    for (_, _, offset), blob in zip(placed.values(), blobs, strict=True):
+        out[start + offset : start + offset + len(blob)] = blob
+    return bytes(out)
 
 
-def _kept(meta: bytes) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
-    with np.load(io.BytesIO(meta), allow_pickle=False) as found:
-        arrays = {k: found[k] for k in found.files}
-    return json.loads(arrays.pop("header").tobytes()), arrays
+class _Kept:
+    """What the listing kept, read in place: ``arrays[name]`` is a view of
+    the manifest's bytes, made only for the arrays a unit asks for."""
+
+    def __init__(self, meta: bytes):
+        if meta[:4] != _KEPT_MAGIC:
+            raise SourceFormatError(
+                "the HDF5 layout kept by the listing is of another version; "
+                "call DistributedCachedDataset.refresh() to list the files again."
+            )
+        length = int.from_bytes(meta[4:12], "little")
+        header = json.loads(bytes(meta[12 : 12 + length]))
+        self.entries: list[dict[str, Any]] = header["entries"]
+        self._placed = header["arrays"]
+        self._start = -(-(12 + length) // _KEPT_ALIGN) * _KEPT_ALIGN
+        self._meta = meta
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._placed
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        descr, shape, offset = self._placed[name]
+        if isinstance(descr, list):
+            descr = [tuple(f) for f in descr]
+        dtype = np.lib.format.descr_to_dtype(descr)
+        count = math.prod(shape)
+        return np.frombuffer(self._meta, dtype, count, self._start + offset).reshape(
+            shape
+        )
 
 
 def _dtype(entry: dict[str, Any]) -> np.dtype:
@@ -192,9 +239,17 @@ def _row_bytes(entry: dict[str, Any]) -> int:
 
 
 def _unit_chunks(table: np.ndarray, rows: int, lo: int, hi: int) -> np.ndarray:
-    """The chunks (rows of ``table``) holding rows ``lo`` to ``hi``."""
+    """The chunks (rows of ``table``, sorted by first row) holding rows ``lo``
+    to ``hi``: two binary searches, not a scan of the file's chunk table.
+
+    >>> t = np.array([[0, 0, 8, 0], [0, 4, 8, 0], [4, 0, 8, 0], [8, 0, 8, 0]])
+    >>> _unit_chunks(t, 4, 4, 8)[:, :2].tolist()
+    [[4, 0]]
+    """
     first = table[:, 0]
-    return table[(first < hi) & (first + rows > lo)]
+    a = np.searchsorted(first, lo - rows + 1, side="left")
+    b = np.searchsorted(first, hi, side="left")
+    return table[a:b]
 
 
 def _ranges(entry: dict[str, Any], chunks: np.ndarray, lo: int, hi: int) -> list:
@@ -283,7 +338,8 @@ class Hdf5Format(SourceFormat):
         return True
 
     def read_columns(self, unit: UnitRequest) -> dict[str, np.ndarray]:
-        entries, arrays = _kept(unit.meta)
+        arrays = _Kept(unit.meta)
+        entries = arrays.entries
         lo, hi = unit.lo, unit.hi
         picked = []
         for i, e in enumerate(entries):
@@ -305,7 +361,7 @@ class Hdf5Format(SourceFormat):
             dtype, row_shape = _dtype(e), tuple(e["shape"][1:])
             if e["layout"] == "compact":
                 whole = arrays[f"d{i}"].view(dtype).reshape(e["shape"])
-                slabs[e["name"]] = whole[lo:hi]
+                slabs[e["name"]] = whole[lo:hi].copy()  # not a view of the manifest
             elif f"f{i}" in arrays:
                 fill = arrays[f"f{i}"].astype(dtype)
                 slabs[e["name"]] = np.full((hi - lo, *row_shape), fill[0], dtype)
