@@ -1,113 +1,39 @@
-"""DistributedCachedDataset: a map-style Dataset whose samples come from the cluster cache."""
+"""DistributedCachedDataset: the front door, a map-style Dataset whose samples come from the cluster cache.
+
+Its verbs are thin: what to read is a :class:`~shardcache.spec.DatasetSpec`
+(validated once), which generation and listing a batch reads is
+:class:`~shardcache.generations.Generations`, and this process's attachment
+and batch path is a :class:`~shardcache.session.RankSession` (one per
+process: DataLoader workers make their own).
+"""
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import re
-import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset
 
-from shardcache.changes import describe_changes
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
-from shardcache.config import ClientConfig
-from shardcache.decoders import as_arrays, raw_bytes
-from shardcache.errors import (
-    ConfigError,
-    IndexUnavailable,
-    RemoteFetchError,
-    ShardUnavailable,
-    StaleVersionError,
-    TransformError,
-)
-from shardcache.fingerprint import dataset_fingerprint, fingerprint, log_new_generation
-from shardcache.flusher import at_exit, keep_flushed
+from shardcache.decoders import as_arrays
+from shardcache.errors import ConfigError
+from shardcache.fingerprint import fingerprint as object_fingerprint
+from shardcache.generations import Generations, open_listing
 from shardcache.job import resolve_job
-from shardcache.keys import validate_name
 from shardcache.loader import BatchLoader
 from shardcache.manifest import Manifest
-from shardcache.packed_manifest import PackedManifest, format_of, objects_preprocess
-from shardcache.picklability import check_picklable
-from shardcache.reader import ChunkReader
 from shardcache.resume import apply_state, current_node, gather_states, merge_states
 from shardcache.sampler import ShardSampler
-from shardcache.source import open_remote
-from shardcache.transport.read_path import open_client
-from shardcache.usage import ORIGINS, UsageReader, UsageReporter
-from shardcache.waits import WaitRecorder
-from shardcache.warmup import warm_chunks
+from shardcache.session import RankSession, open_for_this_process
+from shardcache.spec import DatasetSpec, check_source_dataset
 from shardcache.world import World
 
 __all__ = ["DistributedCachedDataset"]
 
-RANK_REPORT_EVERY = 50  # batches between best-effort rank reports to Redis
 DEFAULT_DATASET_CHUNK_SAMPLES = 256  # from_dataset: sample sizes are unknown at listing
-CONSISTENCY_MODES = ("epoch", "batch")  # when a rank picks up a new generation
-REVALIDATE_MODES = ("job", "never")  # or a number: seconds a listing stays fresh
-ON_ERROR_MODES = ("raise", "skip")  # a sample whose object cannot be read or built
-log = logging.getLogger("shardcache")
-
-
-def _open_token(revalidate: str | float, job: str) -> str:
-    """The listing token a new dataset sends (``listing.py``): one listing per
-    job, none at all, or one no older than N seconds.
-
-    >>> _open_token("job", "abc"), _open_token("never", "abc"), _open_token(600, "x")
-    ('open/abc', '', 'max-age/600.0')
-    """
-    if revalidate == "job":
-        return f"open/{job}"
-    if revalidate == "never":
-        return ""
-    if (
-        isinstance(revalidate, int | float)
-        and not isinstance(revalidate, bool)
-        and revalidate > 0
-    ):
-        return f"max-age/{float(revalidate)}"
-    raise ConfigError(
-        f"revalidate must be 'job', 'never' or a number of seconds > 0, got "
-        f"{revalidate!r}."
-    )
-
-
-def default_name(urls: str | Sequence[str]) -> str:
-    """A readable, stable dataset name derived from the URL(s).
-
-    >>> default_name("s3://bucket/train/")
-    'bucket-train-365e5c26'
-    """
-    first = urls if isinstance(urls, str) else "|".join(urls)
-    stem = urls if isinstance(urls, str) else urls[0]
-    words = (
-        re.sub(r"[^A-Za-z0-9]+", "-", stem.split("://", 1)[-1]).strip("-")[:60]
-        or "data"
-    )
-    return f"{words}-{hashlib.sha256(first.encode()).hexdigest()[:8]}"
-
-
-def _is_tuple_sample(sample: Any) -> bool:
-    """A dict whose fields are ``"(0)"``, ``"(1)"``...: a tuple a Dataset returned."""
-    return (
-        isinstance(sample, dict)
-        and bool(sample)
-        and all(
-            isinstance(k, str) and k.startswith("(") and k.endswith(")") for k in sample
-        )
-    )
-
-
-def _as_tuple(sample: Any) -> Any:
-    if not _is_tuple_sample(sample):
-        return sample
-    return tuple(sample[f"({i})"] for i in range(len(sample)))
 
 
 def _provisional_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -121,37 +47,6 @@ def _provisional_world(rank: int | None, world_size: int | None) -> tuple[int, i
         world.rank if rank is None else rank,
         world.world_size if world_size is None else world_size,
     )
-
-
-def _source_summary(urls: str | Sequence[str]) -> str:
-    """The source as error messages name it: never a whole URL list (millions
-    of lines), never a presigned URL's query (its signature).
-
-    >>> _source_summary(["s3://b/a.npy?X-Amz-Signature=s", "s3://b/c.npy"])
-    's3://b/a.npy and 1 more'
-    """
-    first = urls if isinstance(urls, str) else (list(urls) or [""])[0]
-    first = first.split("?", 1)[0]
-    more = 0 if isinstance(urls, str) else len(urls) - 1
-    return f"{first} and {more} more" if more else first
-
-
-def _ray_inherited_by_fork() -> bool:
-    """In a process that is not the one that built the dataset: is Ray's
-    connection inherited (fork) rather than absent (spawn)?"""
-    ray = sys.modules.get("ray")
-    return ray is not None and bool(ray.is_initialized())
-
-
-def _protocol(urls: str | Sequence[str], storage_options: dict[str, Any]) -> str:
-    """The scheme of the source, validated (no listing)."""
-    first = urls if isinstance(urls, str) else (list(urls) or [""])[0]
-    if not isinstance(urls, str) and not list(urls):
-        raise ConfigError(
-            "urls is an empty list; pass a prefix, a glob or object URLs."
-        )
-    open_remote(first, storage_options)
-    return first.split("://", 1)[0] if "://" in first else "file"
 
 
 class DistributedCachedDataset(Dataset[Any]):
@@ -203,7 +98,7 @@ class DistributedCachedDataset(Dataset[Any]):
     Where the cache is:
         redis_url, ray_address: ``None`` uses the embedded local defaults.
             A pod outside Ray reads through its node's cache worker instead
-            (``SHARDCACHE_ENDPOINT``, see ``shardcache.endpoint``).
+            (``SHARDCACHE_ENDPOINT``, see ``shardcache.transport.read_path``).
         allow_remote: with no cache worker on this node, stream chunks from
             one on another node (``SHARDCACHE_REMOTE_URL``, Arrow Flight).
             Defaults to ``SHARDCACHE_ALLOW_REMOTE`` or ``False``.
@@ -295,115 +190,41 @@ class DistributedCachedDataset(Dataset[Any]):
         revalidate: str | float = "job",
         on_error: str = "raise",
     ):
-        for label, fn in (
-            ("preprocess", preprocess),
-            ("target", target),
-            ("transform", transform),
-        ):
-            if fn is not None and not callable(fn):
-                raise ConfigError(
-                    f"{label} must be callable or None, got {type(fn).__name__}."
-                )
-            check_picklable(fn, label)
-        if on_error not in ON_ERROR_MODES:
-            raise ConfigError(
-                f"on_error must be one of {', '.join(map(repr, ON_ERROR_MODES))}, "
-                f"got {on_error!r}."
-            )
-        self.on_error = on_error
-        if consistency not in CONSISTENCY_MODES:
-            raise ConfigError(
-                f"consistency must be one of {', '.join(map(repr, CONSISTENCY_MODES))}, "
-                f"got {consistency!r}."
-            )
-        for label, value in (
-            ("chunk_bytes", chunk_bytes),
-            ("chunk_samples", chunk_samples),
-        ):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{label} must be an integer >= 1, got {value!r}.")
-        self.consistency = consistency
-        overrides = {
-            k: v
-            for k, v in {
-                "redis_url": redis_url,
-                "ray_address": ray_address,
-                "namespace": namespace,
-                "prefetch_batches": prefetch_batches,
-                "allow_remote": allow_remote,
-            }.items()
-            if v is not None
-        }
-        try:
-            self.config = ClientConfig(**overrides)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        spec = DatasetSpec.validate(
+            urls,
+            preprocess,
+            transform,
+            storage_options=storage_options,
+            name=name,
+            target=target,
+            chunk_bytes=chunk_bytes,
+            chunk_samples=chunk_samples,
+            format=format,
+            format_options=format_options,
+            source_dataset=source_dataset,
+            source_version=source_version,
+            version=version,
+            revalidate=revalidate,
+            on_error=on_error,
+            consistency=consistency,
+            redis_url=redis_url,
+            ray_address=ray_address,
+            namespace=namespace,
+            prefetch_batches=prefetch_batches,
+            allow_remote=allow_remote,
+        )
         # Provisional until the sampler reads the world at first use (a
         # dataset may be built before the launcher or process group has
         # said where this process is); _use_world brings the final one.
         self.rank, self.world_size = _provisional_world(rank, world_size)
-        self.name = (
-            validate_name("name", name) if name is not None else default_name(urls)
-        )
-        self.urls, self.storage_options = urls, dict(storage_options or {})
-        self.format = format or (
-            None if source_dataset is not None else format_of(urls)
-        )
-        self.preprocess = preprocess or (as_arrays if self.format else raw_bytes)
-        self.transform = transform
-        self.target = target
-        open_token = _open_token(revalidate, "")  # validated before any I/O
         self._job = resolve_job(job)
-        self.job = self._job.id
-        if open_token:
-            open_token = _open_token(revalidate, self.job)
-        self._spec = {
-            "name": self.name,
-            "urls": urls if isinstance(urls, str) else list(urls),
-            "protocol": "dataset"
-            if source_dataset is not None
-            else _protocol(urls, self.storage_options),
-            "storage_options": self.storage_options,
-            "chunk_bytes": chunk_bytes,
-            "chunk_samples": chunk_samples,
-        }
-        if self.format:
-            self._spec.update(format=self.format, format_options=format_options or {})
-        if source_dataset is not None:
-            self._spec.update(
-                format="dataset",
-                source_object=source_dataset,
-                source_version=source_version or "",
-            )
-        self._client = open_client(self.config)
-        if source_dataset is not None and not self._client.needs_ray:
-            raise ConfigError(
-                "from_dataset ships the Dataset object to the cache workers through "
-                "Ray, so it needs a process on a Ray node (Ray Train, or torchrun on "
-                "the cache's Ray nodes); pods reading through the node-local endpoint "
-                "or remotely can read packed files (format=) instead."
-            )
-        try:
-            ref, self.digest = self._client.manifest(self._spec, open_token)
-        except (RemoteFetchError, ShardUnavailable) as exc:
-            if not open_token.startswith("open/"):
-                raise
-            # Same type, so callers' handlers still match; the message adds
-            # the opt-out a job with an immutable (or huge) source may want.
-            raise type(exc)(
-                f"{exc} (a new job revalidates the listing of "
-                f"{_source_summary(urls)!r}; pass revalidate='never' to start on "
-                "the listing the cluster holds)"
-            ) from exc
-        self.manifest = self._map_manifest(ref)
-        if self.format is None and preprocess is None and source_dataset is None:
-            # One reading whether the objects came from a prefix, a glob or a
-            # list: the listed files' extension picks the default preprocess.
-            probe = [self.manifest.url(i) for i in range(min(64, len(self.manifest)))]
-            self.preprocess = objects_preprocess(probe, urls) or raw_bytes
-        self.fingerprint = dataset_fingerprint(self.preprocess, target, version)
+        client = open_for_this_process(
+            spec.config, ships_objects=source_dataset is not None
+        )
+        manifest, digest = open_listing(client, spec, self._job.id)
+        self.spec = spec.settle(manifest)
         self._sampler = ShardSampler(
-            self.manifest.layout.sizes(),
+            manifest.layout.sizes(),
             rank,  # None: the sampler reads it at first use
             world_size,
             shuffle=shuffle,
@@ -413,9 +234,9 @@ class DistributedCachedDataset(Dataset[Any]):
         )
         self._epoch_started: int | None = None
         self._sampler.bind(self._start_epoch, self._use_world)
-        self.generation = self._register_in_index()
-        self._refreshes = 0
-        self._reset_process_state()
+        self._generations = Generations(self.spec, digest)
+        self._generations.register(client.index, manifest)
+        self._session = self._new_session(client, manifest)
 
     @classmethod
     def from_dataset(
@@ -442,116 +263,51 @@ class DistributedCachedDataset(Dataset[Any]):
 
         >>> # ds = DistributedCachedDataset.from_dataset(MyImages(root), name="imgs")
         """
-        from ray import cloudpickle
-
-        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
-            raise ConfigError(
-                f"from_dataset needs a map-style Dataset with __getitem__ and __len__, "
-                f"got {type(dataset).__name__}."
-            )
-        try:
-            cloudpickle.dumps(dataset)
-        except Exception as exc:  # whatever pickling raises names the culprit
-            raise ConfigError(
-                f"{type(dataset).__name__} cannot be pickled ({type(exc).__name__}: "
-                f"{exc}), so it cannot be sent to the cache workers. Open files, "
-                "sockets or database handles lazily inside __getitem__ instead of "
-                "in __init__ (or drop them in __getstate__)."
-            ) from exc
+        check_source_dataset(dataset)
         return cls(
             f"dataset://{name}",
             kwargs.pop("preprocess", None) or as_arrays,
             name=name,
             chunk_samples=chunk_samples,
             source_dataset=dataset,
-            source_version=version or fingerprint(dataset),
+            source_version=version or object_fingerprint(dataset),
             **kwargs,
         )
 
-    # -- setup --------------------------------------------------------------------
-    def _map_manifest(self, ref: Any) -> Manifest:
-        return self._client.map_manifest(ref)
+    # -- what it reads: read-only views of the settled spec, listing, generation ---
+    name = property(lambda self: self.spec.name)
+    urls = property(lambda self: self.spec.urls)
+    storage_options = property(lambda self: self.spec.storage_options)
+    format = property(lambda self: self.spec.format)
+    preprocess = property(lambda self: self.spec.preprocess)
+    transform = property(lambda self: self.spec.transform)
+    target = property(lambda self: self.spec.target)
+    config = property(lambda self: self.spec.config)
+    on_error = property(lambda self: self.spec.on_error)
+    consistency = property(lambda self: self.spec.consistency)
+    job = property(lambda self: self._job.id)
+    fingerprint = property(lambda self: self.spec.fingerprint)  # versions the cache
+    # The listing this process reads: None in a DataLoader worker until its
+    # first batch maps it.
+    manifest = property(lambda self: self._session.manifest)
+    digest = property(lambda self: self._generations.digest)
+    generation = property(lambda self: self._generations.generation)
+    # What this process delivered, by origin; flushed to Redis off the loop.
+    usage_reporter = property(lambda self: self._session.usage)
 
-    def _register_in_index(self) -> int:
-        source = self.urls if isinstance(self.urls, str) else f"{len(self.urls)} urls"
-        generation, previous = self._client.index.register_change(
-            self.name,
-            source,
-            self.fingerprint,
-            len(self.manifest),
-            self.manifest.total_bytes,
-        )
-        if previous is not None:
-            log_new_generation(
-                self.name,
-                previous,
-                self.fingerprint,
-                generation,
-                self.manifest,
-                {"preprocess": self.preprocess, "target": self.target},
-            )
-        return generation
+    # -- this process ------------------------------------------------------------------
+    def _new_session(self, client: Any, manifest: Manifest | None) -> RankSession:
+        parts = (self.spec, self._job, self.rank, self._sampler, self._generations)
+        return RankSession(*parts, client, manifest)
 
-    def _store_spec(self) -> dict[str, Any]:
-        return {
-            **self._spec,
-            "fingerprint": self.fingerprint,
-            "generation": self.generation,
-            "manifest": self.digest,
-            # The sampler's order is a pure function of these: a store plans
-            # its eviction on it (``clairvoyant``).
-            "order": {
-                "rank": self._sampler.rank,
-                "world_size": self._sampler.world_size,
-                "seed": self._sampler.seed,
-                "shuffle": "global"
-                if self._sampler.mode == "global"
-                else self._sampler.shuffle,
-                "drop_last": self._sampler.drop_last,
-                "epoch": self._sampler.epoch,
-                "block": self._sampler.block,
-            },
-        }
-
-    def _reset_process_state(self) -> None:
-        old = getattr(self, "_reader", None)
-        if old is not None and getattr(self, "_pid", None) == os.getpid():
-            old.close()  # its prefetch pool; the world or the process changed
-        self._epoch_reported = False
-        self._pid = os.getpid()
-        self._attached = False
-        self._reader: ChunkReader | None = None
-        self._snapshot_due = True
-        self._waits = WaitRecorder()
-        self._counts = {
-            "hits": 0,
-            "misses": 0,
-            "remote_reads": 0,
-            "bytes": 0,
-            "samples": 0,
-            "generation_switches": 0,
-            "skipped": 0,
-        }
-        self._warned_skip = False
-        self._consumed = 0
-        self._cursor = 0
-        self._batch_size = 0
-        self._index_errors = 0
-        self._usage = UsageReporter(
-            lambda: self._client.index.client,
-            self.config.namespace,
-            self.name,
-            self.job,
-            self.rank,
-            redis_url=self._client.redis_url if self.config.redis_url else "",
-        )
-        keep_flushed(self._usage)
-        at_exit(self._final_report)
-
-    @property
-    def usage_reporter(self) -> UsageReporter:
-        """What this process delivered, by origin; flushed to Redis off the loop."""
-        return self._usage
+    def _here(self) -> RankSession:
+        """This process's session, with the rank known: a forked DataLoader
+        worker starts its own (keeping the listing it inherited mapped)."""
+        self._sampler.rank  # noqa: B018 (resolves the world: _use_world may renew)
+        if not self._session.is_current:
+            client = open_for_this_process(self.spec.config, forked=True)
+            self._session = self._new_session(client, self._session.manifest)
+        return self._session
 
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers get the small description: never the mapped
@@ -563,46 +319,24 @@ class DistributedCachedDataset(Dataset[Any]):
         except ConfigError:
             pass
         state = self.__dict__.copy()
-        for k in ("_reader", "_client", "manifest", "_usage"):
-            state.pop(k, None)
+        state.pop("_session", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._sampler.bind(self._start_epoch, self._use_world)
-        self._client = open_client(self.config)
-        self.manifest = None  # type: ignore[assignment]
-        self._reset_process_state()
+        self._session = self._new_session(open_for_this_process(self.spec.config), None)
 
-    def _attach(self) -> ChunkReader:
-        if self._attached and self._pid == os.getpid() and self._reader is not None:
-            return self._reader
-        if self._pid != os.getpid():
-            self._client = open_client(self.config)
-            if self._client.needs_ray and _ray_inherited_by_fork():
-                raise ConfigError(
-                    "this DataLoader worker was forked from a process connected to "
-                    "Ray, and Ray cannot be used after fork (its calls would hang). "
-                    "Pass multiprocessing_context='spawn' (or 'forkserver') to the "
-                    "DataLoader, or iterate ds.loader(batch_size) in the rank."
-                )
-            self._reset_process_state()
-        self._client.install(self._store_spec(), self.preprocess, self.target)
-        if self.manifest is None:
-            self.manifest = self._map_manifest(
-                self._client.manifest_of(self.name, self.digest)
-            )
-        self._reader = ChunkReader(
-            self._client,
-            self.name,
-            self.manifest,
-            self.digest,
-            self.config.hold_bytes,
-            self.config.request_timeout_s,
-            self.config.verify_reads,
-        )
-        self._attached = True
-        return self._reader
+    def _use_world(self, world: World) -> None:
+        # The sampler read the world (at first use): rank-keyed reporting
+        # follows it. Only ever before this process's first batch.
+        if (world.rank, world.world_size) == (self.rank, self.world_size):
+            return
+        self.rank, self.world_size = world.rank, world.world_size
+        old = self._session
+        if old.is_current and old.waits.batches == 0:
+            old.close_reader()
+            self._session = self._new_session(old.client, old.manifest)
 
     # -- Dataset protocol -----------------------------------------------------------
     def __len__(self) -> int:
@@ -621,33 +355,18 @@ class DistributedCachedDataset(Dataset[Any]):
         """
         self._sampler.set_epoch(epoch)  # calls _start_epoch back
 
-    def _use_world(self, world: World) -> None:
-        # The sampler read the world (at first use): rank-keyed reporting
-        # follows it. Only ever before this process's first batch.
-        if (world.rank, world.world_size) == (self.rank, self.world_size):
-            return
-        self.rank, self.world_size = world.rank, world.world_size
-        if self._pid == os.getpid() and self._waits.batches == 0:
-            self._reset_process_state()
-
     def _start_epoch(self, epoch: int, resuming: bool) -> None:
-        if epoch == self._epoch_started and self._waits.batches == 0:
+        if epoch == self._epoch_started and self._session.waits.batches == 0:
             return  # both set_epoch calls of one epoch, or a repeat: once
         self._epoch_started = epoch
-        self._epoch_reported = False
-        self._report_rank()
         self._sampler.order()  # computed now, not inside the first batch's wait
-        self._snapshot_due = True
-        if not resuming:
-            self._consumed = 0
-            self._cursor = 0
-        self._waits.reset()
-        if self._reader is not None and self._pid == os.getpid():
-            self._reader.new_epoch()
-        if self.consistency == "epoch" and self._pid == os.getpid():
+        session = self._session  # the world is known now (a fresh one, maybe)
+        session.start_epoch(resuming)  # reports last epoch's numbers first
+        self._generations.renew()
+        if self.consistency == "epoch" and session.is_current:
             # The snapshot is one Redis read; taking it here keeps it out of
             # the first batch's wait (DataLoader workers take their own).
-            self._current_generation()
+            session.generation()
 
     def __getitem__(self, idx: int) -> Any:
         return self.__getitems__([idx])[0]
@@ -659,22 +378,7 @@ class DistributedCachedDataset(Dataset[Any]):
         """
         # The batch as asked for (before on_error="skip" stand-ins).
         self._sampler.audit(np.asarray(indices, dtype=np.int64))
-        reader, chunks, chunk_ids, rows, idx, started = self._fetch(indices)
-        samples = [
-            reader.sample(chunks[c], r, i)
-            for c, r, i in zip(
-                chunk_ids.tolist(), rows.tolist(), idx.tolist(), strict=True
-            )
-        ]
-        if samples and _is_tuple_sample(samples[0]):
-            samples = [_as_tuple(s) for s in samples]
-        if self.transform is not None:
-            samples = [
-                self._call_transform(i, s)
-                for i, s in zip(idx.tolist(), samples, strict=True)
-            ]
-        self._finish_batch(reader, chunk_ids, idx, started)
-        return samples
+        return self._here().read_batch(indices, collate=False)
 
     def collated(self, indices: Sequence[int], pin_memory: bool = False) -> Any:
         """One collated batch of ``indices``: ``(B, ...)`` tensors gathered from
@@ -684,21 +388,7 @@ class DistributedCachedDataset(Dataset[Any]):
         Raises:
             CollateError: the samples differ in shape.
         """
-        reader, chunks, chunk_ids, rows, idx, started = self._fetch(indices)
-        if self.transform is None:
-            batch = reader.collate(chunks, chunk_ids, rows, idx, pin_memory)
-            if _is_tuple_sample(batch):
-                batch = _as_tuple(batch)
-        else:
-            samples = [
-                self._call_transform(i, _as_tuple(reader.sample(chunks[c], r, i)))
-                for c, r, i in zip(
-                    chunk_ids.tolist(), rows.tolist(), idx.tolist(), strict=True
-                )
-            ]
-            batch = torch.utils.data.default_collate(samples)
-        self._finish_batch(reader, chunk_ids, idx, started)
-        return batch
+        return self._here().read_batch(indices, collate=True, pin_memory=pin_memory)
 
     def loader(
         self,
@@ -718,181 +408,20 @@ class DistributedCachedDataset(Dataset[Any]):
             self, batch_size, drop_last=drop_last, pin_memory=pin_memory, device=device
         )
 
-    def _fetch(
-        self, indices: Sequence[int]
-    ) -> tuple[ChunkReader, dict[int, Any], np.ndarray, np.ndarray, np.ndarray, float]:
-        started = time.perf_counter()
-        reader = self._attach()
-        idx = np.asarray(indices, dtype=np.int64)
-        chunk_ids, rows = reader.locate(idx)
-        for attempt in range(3):
-            reader.use_generation(self._current_generation())
-            try:
-                chunks = reader.chunks_for(chunk_ids)
-            except StaleVersionError:
-                if attempt == 2:
-                    raise
-                # The snapshot expired on the stores: move to the newest
-                # generation at this batch boundary, never within a batch.
-                self._snapshot_due = True
-                self._counts["generation_switches"] += 1
-                continue
-            if self.on_error == "skip":
-                chunk_ids, rows, idx, skipped = reader.substitute_failed(
-                    chunks, chunk_ids, rows, idx
-                )
-                if skipped:
-                    self._note_skipped(skipped)
-            return reader, chunks, chunk_ids, rows, idx, started
-        raise AssertionError("unreachable")
+    def epoch_indices(self) -> Iterator[np.ndarray]:
+        """The rest of this epoch's order (after a resume), for ``loader()``."""
+        order = self._sampler.order()
+        yield order[self._sampler.take_skip() :]
 
-    def _note_skipped(self, skipped: list[int]) -> None:
-        self._counts["skipped"] += len(skipped)
-        self._usage.skipped(len(skipped))
-        if not self._warned_skip:
-            self._warned_skip = True
-            log.warning(
-                "shardcache: dataset %s: skipping samples that could not be read "
-                "or built (on_error='skip'), first %s; each is replaced by another "
-                "sample of its batch and counted as skipped in stats()",
-                self.name,
-                ", ".join(repr(self.manifest.url(i)) for i in skipped[:3]),
-            )
-
-    def _finish_batch(
-        self,
-        reader: ChunkReader,
-        chunk_ids: np.ndarray,
-        idx: np.ndarray,
-        started: float,
-    ) -> None:
-        delta = reader.count(chunk_ids, idx)
-        self._counts["hits"] += delta["local"] + delta["peer"]
-        self._counts["misses"] += delta["source"]
-        self._counts["remote_reads"] += delta["source"]
-        self._counts["bytes"] += (
-            delta["local_bytes"] + delta["peer_bytes"] + delta["source_bytes"]
-        )
-        waited = time.perf_counter() - started
-        self._waits.record(waited)
-        for origin in ORIGINS:
-            if delta[origin]:
-                self._usage.served(origin, delta[origin], delta[f"{origin}_bytes"])
-        self._usage.waited(waited, self._sampler.epoch)
-        n = len(idx)
-        self._counts["samples"] += n
-        self._consumed += n
-        self._batch_size = self._batch_size or n
-        self._cursor += n
-        if self.config.prefetch_batches:
-            order = self._sampler.order()
-            window = self.config.prefetch_batches * self._batch_size
-            # The first batch asks for the whole rest of the epoch: a cold
-            # epoch then keeps every core of the node's stores busy (the
-            # reader stops early when the stores cannot cache what it asks).
-            whole = self._waits.batches == 1 and not reader.saw_uncached
-            span = len(order) if whole else window
-            reader.prefetch(order[self._cursor : self._cursor + span])
-        if (
-            not self._epoch_reported
-            and self._cursor >= len(self._sampler)
-            and get_worker_info() is None  # a worker sees only part of it
-        ):
-            # The rank's share of the epoch is delivered: its numbers go out
-            # now, not whenever the next epoch (or the exit) comes. Once.
-            self._epoch_reported = True
-            reader.submit(self._usage.flush)
-            self._report_rank(in_background=True)
-        elif self._waits.batches % RANK_REPORT_EVERY == 0:
-            self._report_rank(in_background=True)
-
-    def _call_transform(self, idx: int, sample: Any) -> Any:
-        assert self.transform is not None
-        try:
-            return self.transform(sample)
-        except Exception as exc:  # user code
-            raise TransformError(
-                f"transform {getattr(self.transform, '__qualname__', self.transform)!r} raised "
-                f"{type(exc).__name__} on {self.manifest.url(idx)!r}: {exc}"
-            ) from exc
-
-    # -- generations --------------------------------------------------------------
-    def _current_generation(self) -> int:
-        if self.consistency == "epoch" and not self._snapshot_due:
-            return self.generation
-        self._snapshot_due = False
-        try:
-            generation = self._client.index.generation(self.name)
-        except IndexUnavailable:
-            # Redis down: keep serving what we hold under the last known
-            # generation; counted so the outage is visible in stats().
-            self._index_errors += 1
-            generation = self.generation
-        if generation <= 0:
-            generation = self._register_in_index()
-        self.generation = generation
-        return generation
-
-    # -- stats, state, invalidation ---------------------------------------------------
+    # -- stats, generations --------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """This rank's counters and wait percentiles, plus the dataset's cluster totals."""
-        out: dict[str, Any] = {
-            "rank": self.rank,
-            "dataset": self.name,
-            "job": self.job,
-            "job_source": self._job.source,
-            # The counters below are this process's; DataLoader workers count
-            # (and report) their own: "job_totals" is every process of the job.
-            "counts": "this process",
-            "generation": self.generation,
-            **self._counts,
-            "batches": self._waits.batches,
-            "index_errors": self._index_errors,
-            "held_bytes": self._reader.held_bytes if self._reader is not None else 0,
-            "served": dict(self._reader.counts) if self._reader is not None else {},
-            "moved_on_resume": self._sampler.moved_on_resume,
-            **self._waits.summary(),
-        }
-        total = out["hits"] + out["misses"]
-        out["hit_rate"] = out["hits"] / total if total else 0.0
-        try:
-            reader = UsageReader(self._client.index.client, self.config.namespace)
-            self._usage.flush()  # so job_totals include this process's last batch
-            out["cluster"] = reader.totals(self.name).as_dict()
-            out["job_totals"] = reader.job_totals(self.name, self.job).as_dict()
-        except IndexUnavailable:
-            out["cluster"] = out["job_totals"] = None
-        return out
-
-    def _report_rank(self, in_background: bool = False) -> None:
-        if self._waits.batches == 0:
-            return
-        report = {
-            **self._counts,
-            **self._waits.summary(),
-            "batches": self._waits.batches,
-            "epoch": self._sampler.epoch,
-            "generation": self.generation,
-            "ts": time.time(),
-        }
-        if in_background and self._reader is not None:
-            # The report is built here (the wait deque is not thread-safe to
-            # read); only the Redis write leaves the training loop's path.
-            self._reader.submit(self._write_rank_report, report)
-        else:
-            self._write_rank_report(report)
-
-    def _write_rank_report(self, report: dict[str, Any]) -> None:
-        try:
-            self._client.index.record_rank(self.name, self.job, self.rank, report)
-        except IndexUnavailable:
-            self._index_errors += 1
+        moved = self._sampler.moved_on_resume
+        return self._session.stats(self.rank, moved)
 
     def invalidate(self) -> int:
         """Start a new generation now; the next batch re-fetches. Returns it."""
-        self.generation = self._client.index.invalidate(self.name)
-        self._snapshot_due = True
-        return self.generation
+        return self._generations.invalidate(self._session.client.index)
 
     def refresh(self) -> list[str]:
         """Re-list the source (once for all ranks refreshing together); objects
@@ -905,54 +434,15 @@ class DistributedCachedDataset(Dataset[Any]):
         Raises:
             ConfigError: objects were added or removed (the shards would move).
         """
-        # One token per refresh round of this job: the ranks refreshing
-        # together share one listing.
-        self._refreshes += 1
-        token = f"{self.job}/{self._refreshes}/{self.digest}"
-        ref, digest = self._client.manifest(self._spec, token)
-        manifest = self._map_manifest(ref)
-        old = self.manifest if self.manifest is not None else self._attach().manifest
-        if isinstance(manifest, PackedManifest):
-            return self._refresh_packed(old, manifest, digest)
-        if not (
-            np.array_equal(
-                old.columns["name_offsets"], manifest.columns["name_offsets"]
-            )
-            and np.array_equal(old.columns["names"], manifest.columns["names"])
-        ):
-            raise ConfigError(
-                f"the set of objects under {_source_summary(self.urls)!r} changed ({len(old)} -> "
-                f"{len(manifest)}); build a new DistributedCachedDataset so every rank "
-                "agrees on the shards."
-            )
-        changed = np.flatnonzero(old.hashes != manifest.hashes)
-        self.manifest, self.digest = manifest, digest
-        if self._reader is not None:
-            stale_chunks = np.unique(self._reader.layout.chunk_of(changed))
-            self._reader.set_manifest(manifest, digest)
-            self._reader.drop_chunks(stale_chunks.tolist())
-            self._client.install(self._store_spec(), self.preprocess, self.target)
-        return [manifest.url(int(i)) for i in changed]
-
-    def _refresh_packed(
-        self, old: Any, manifest: PackedManifest, digest: str
-    ) -> list[str]:
-        if not np.array_equal(old.layout.starts, manifest.layout.starts):
-            raise ConfigError(
-                f"the samples under {_source_summary(self.urls)!r} changed in number or place "
-                f"({len(old)} -> {len(manifest)}); build a new "
-                "DistributedCachedDataset so every rank agrees on the shards."
-            )
-        stale = np.flatnonzero(
-            old.chunk_versions(old.layout) != manifest.chunk_versions(manifest.layout)
+        session = self._here()
+        old = (
+            session.attach().manifest if session.manifest is None else session.manifest
         )
-        self.manifest, self.digest = manifest, digest
-        if self._reader is not None:
-            self._reader.set_manifest(manifest, digest)
-            self._reader.drop_chunks(stale.tolist())
-            self._client.install(self._store_spec(), self.preprocess, self.target)
-        return manifest.changed_files(old)
+        found = self._generations.refresh(session.client, old, self.job)
+        session.use_listing(found.manifest, found.digest, found.stale_chunks)
+        return found.changed
 
+    # -- state (resume) ------------------------------------------------------------------
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Where this rank is: O(1) (epoch, seed, world, consumed count, node).
 
@@ -964,7 +454,7 @@ class DistributedCachedDataset(Dataset[Any]):
         """
         return {
             **self._sampler.state(),
-            "consumed": self._consumed if consumed is None else int(consumed),
+            "consumed": self._session.consumed if consumed is None else int(consumed),
             "manifest": self.digest,
             "node": current_node(),
         }
@@ -1009,21 +499,16 @@ class DistributedCachedDataset(Dataset[Any]):
             ConfigError: the state belongs to another dataset, seed or mode, or
                 one rank's state is given for another world size.
         """
-        consumed = apply_state(
-            self._sampler, state, self.digest, nodes, explain=self._listing_change
+        session = self._session
+        explain = partial(
+            self._generations.explain, session.client, current=session.manifest
         )
-        self._consumed = consumed
-        self._cursor = consumed
+        consumed = apply_state(
+            self._sampler, state, self.digest, nodes, explain=explain
+        )
+        self._session.consumed = self._session.cursor = consumed
 
-    def _listing_change(self, saved: str) -> str:
-        """What changed since listing ``saved`` (a resume across jobs after
-        objects changed): the objects by name, not a digest."""
-        try:
-            old = self._map_manifest(self._client.manifest_of(self.name, saved))
-        except StaleVersionError:
-            return "the listing it was saved on is no longer held by the cluster"
-        return f"{_source_summary(self.urls)}: {describe_changes(old, self.manifest)}"
-
+    # -- the cache around this rank --------------------------------------------------------
     def warm(
         self, steps: int, batch_size: int, *, progress: bool = True
     ) -> dict[str, int]:
@@ -1042,12 +527,10 @@ class DistributedCachedDataset(Dataset[Any]):
                 f"{batch_size!r}."
             )
         order = self._sampler.order()
-        start = self._cursor or self._sampler.pending_skip
-        reader = self._attach()
-        reader.use_generation(self._current_generation())
-        return warm_chunks(
-            reader, order[start : start + steps * batch_size], progress=progress
-        )
+        session = self._here()
+        start = session.cursor or self._sampler.pending_skip
+        upcoming = order[start : start + steps * batch_size]
+        return session.warm(upcoming, progress=progress)
 
     def to_ray_dataset(self, **ray_args: Any) -> Any:
         """Every chunk as a ``ray.data.Dataset`` (``shardcache.ray_data.from_cached``)."""
@@ -1055,37 +538,9 @@ class DistributedCachedDataset(Dataset[Any]):
 
         return from_cached(self, **ray_args)
 
-    def epoch_indices(self) -> Iterator[np.ndarray]:
-        """The rest of this epoch's order (after a resume), for ``loader()``."""
-        order = self._sampler.order()
-        yield order[self._sampler.take_skip() :]
-
     def cached_locality(self) -> dict[str, int]:
         """How many of this rank's shard samples are cached on each node (from the index)."""
-        layout = self.manifest.layout
-        chunk_ids, counts = np.unique(
-            layout.chunk_of(self._sampler.shard), return_counts=True
-        )
-        keys = [f"c{c}" for c in chunk_ids.tolist()]
-        entries = self._client.index.entries(self.name, self.generation, keys)
-        out: dict[str, int] = {}
-        for key, n in zip(keys, counts.tolist(), strict=True):
-            entry = entries.get(key)
-            if entry is not None:
-                owner = str(entry.get("owner"))
-                out[owner] = out.get(owner, 0) + n
-        return out
-
-    def _final_report(self) -> None:
-        """At process exit (``shardcache.flusher``): the last rank report;
-        the usage counts are flushed right after."""
-        if get_worker_info() is not None:
-            # A DataLoader worker: its counts are flushed under the rank's
-            # name, but the rank's report and its end are the rank's own.
-            self._usage.owns_rank = False
-            return
-        if self._pid == os.getpid():
-            self._report_rank()
+        return self._session.cached_locality(self._sampler.shard)
 
     def close(self) -> None:
         """Report final stats and stop the prefetch threads.
@@ -1094,10 +549,7 @@ class DistributedCachedDataset(Dataset[Any]):
         second and at process exit. ``with DistributedCachedDataset(...) as
         ds:`` calls it.
         """
-        self._report_rank()
-        if self._reader is not None:
-            self._reader.close()
-        self._usage.close()
+        self._session.close()
 
     def __enter__(self) -> DistributedCachedDataset:
         return self

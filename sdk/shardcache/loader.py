@@ -1,7 +1,8 @@
 """Collated batches of one rank's epoch, optionally pinned and copied to a GPU ahead.
 
 ``BatchLoader`` is what ``DistributedCachedDataset.loader()`` returns: it
-walks the sampler's order in batches (every rank the same number of
+reads through the :class:`BatchSource` protocol (so this module never
+imports the dataset; the dataset imports it) and walks the sampler's order in batches (every rank the same number of
 steps, even when an elastic resume left lengths one apart: see
 :func:`~shardcache.sampler.batch_bounds`) and gathers each batch straight into
 one tensor per field (no per-sample tensors, no second copy by a collate
@@ -11,8 +12,8 @@ a side CUDA stream while the current step runs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -20,9 +21,41 @@ from shardcache.errors import ConfigError
 from shardcache.sampler import batch_bounds
 
 if TYPE_CHECKING:
-    from shardcache.dataset import DistributedCachedDataset
+    import numpy as np
 
-__all__ = ["BatchLoader"]
+    from shardcache.sampler import ShardSampler
+
+__all__ = ["BatchLoader", "BatchSource"]
+
+
+class BatchSource(Protocol):
+    """What a loader reads batches from: the cut between iterating an epoch in
+    batches (this module) and reading samples from the cache (the dataset).
+
+    ``DistributedCachedDataset`` is the one implementation; a test or a bench
+    may pass any object with these members.
+    """
+
+    @property
+    def sampler(self) -> ShardSampler:
+        """This rank's order: ``order()``, ``lengths()`` and ``len``."""
+        ...
+
+    def epoch_indices(self) -> Iterator[np.ndarray]:
+        """The rest of this epoch's order (a resume skips what was consumed)."""
+        ...
+
+    def collated(self, indices: Sequence[int], pin_memory: bool = False) -> Any:
+        """One batch of ``indices`` gathered into one tensor per field."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this rank is, counting every sample handed out."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Resume after the consumed samples."""
+        ...
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
@@ -37,7 +70,8 @@ class BatchLoader:
     """Iterates this rank's batches for the dataset's current epoch.
 
     Args:
-        dataset: the dataset (its sampler gives the order, resume included).
+        dataset: what to read (a :class:`BatchSource`: the dataset; its
+            sampler gives the order, resume included).
         batch_size: samples per batch.
         drop_last: drop a last, smaller batch. Defaults to ``False``.
         pin_memory: gather into page-locked memory (needs CUDA). Defaults to ``False``.
@@ -51,7 +85,7 @@ class BatchLoader:
 
     def __init__(
         self,
-        dataset: DistributedCachedDataset,
+        dataset: BatchSource,
         batch_size: int,
         *,
         drop_last: bool = False,

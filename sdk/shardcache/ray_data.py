@@ -216,7 +216,7 @@ def from_cached(
     """
     import ray
 
-    if not ds._client.needs_ray:
+    if not ds._session.client.needs_ray:
         raise ConfigError(
             "to_ray_dataset needs a process on the cache's Ray cluster (the driver "
             "of a Ray job, a Ray Train worker); this one reads through the "
@@ -257,8 +257,8 @@ def _plan_of(ds: DistributedCachedDataset) -> _ReadPlan:
 
     manifest = ds.manifest
     layout = manifest.layout
-    spec = {k: v for k, v in ds._store_spec().items() if k != "order"}
-    config = ds.config.model_copy(update={"redis_url": ds._client.redis_url})
+    spec = {k: v for k, v in ds._session.store_spec().items() if k != "order"}
+    config = ds.config.model_copy(update={"redis_url": ds._session.client.redis_url})
     urls = ds.urls if isinstance(ds.urls, str) else f"{len(ds.urls)} urls"
     return _ReadPlan(
         name=ds.name,

@@ -14,7 +14,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemaining
 
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
 from shardcache.config import ClientConfig
-from shardcache.dataset import default_name
 from shardcache.decoders import as_arrays, raw_bytes
 from shardcache.embedded import attach_ray, local_redis_url
 from shardcache.errors import ConfigError, ShardUnavailable, error_type
@@ -24,6 +23,7 @@ from shardcache.manifest import Manifest
 from shardcache.packed_manifest import format_of, objects_preprocess
 from shardcache.sampler import first_steps
 from shardcache.sharding import assign_chunks
+from shardcache.spec import default_name
 from shardcache.transport.base import Status
 from shardcache_server.cluster import ensure_stores
 from shardcache_server.preprocess import get_preprocessor

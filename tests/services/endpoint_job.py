@@ -50,7 +50,7 @@ def _epoch(ds, epoch: int, changed_url: str | None) -> dict:
             # The chunk the rank holds is a read-only shared mapping of a
             # chunk file the endpoint handed over; the sample it received is
             # a copy of its own (never a view a write could go through).
-            reader = ds._reader
+            reader = ds._session.reader
             c = int(reader.layout.chunk_of(np.array([i]))[0])
             chunk = reader._held.get(c) or reader._transient.get(c)
             perms, path = "", ""

@@ -51,7 +51,7 @@ def _corrupt_chunk_zero(ds) -> None:
     """Write into the object store's pages of chunk 0, as a rank that mutates a
     zero-copy view in place would (the array is read-only only by its flag)."""
     ds[0]  # maps chunk 0
-    column = ds._reader._held[0].columns["_"]
+    column = ds._session.reader._held[0].columns["_"]
     assert not column.flags.writeable
     ctypes.memset(column.ctypes.data, 0xEE, 1000)
 

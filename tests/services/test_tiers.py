@@ -37,7 +37,7 @@ def _setup(s3, s3fs_client, bucket, redis_url, **settings):
         s3, f"s3://{bucket}/d/", redis_url, ns, raw_bytes, chunk_samples=PER_CHUNK
     )
     assert len(items) == CHUNKS
-    # What a rank of a 1-rank job sends (DistributedCachedDataset._store_spec).
+    # What a rank of a 1-rank job sends (RankSession.store_spec).
     spec["order"] = {
         "rank": 0,
         "world_size": 1,

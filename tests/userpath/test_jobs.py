@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shardcache.dataset import default_name
 from shardcache.embedded import free_port
+from shardcache.spec import default_name
 
 OBJECTS = 240
 CHANGED = range(0, OBJECTS, 24)  # 10 objects rewritten between the two jobs

@@ -17,7 +17,7 @@ import numpy as np
 import redis as redis_py
 from PIL import Image
 
-from shardcache.dataset import default_name
+from shardcache.spec import default_name
 from shardcache.usage import UsageReader
 
 README = Path(__file__).resolve().parents[2] / "README.md"

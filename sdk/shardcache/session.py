@@ -1,0 +1,481 @@
+"""RankSession: one process's attachment to the cache (its client, mapped listing, chunk reader, counters and usage reports) and the batch path it runs.
+
+Every process that reads makes its own: the one that built the dataset,
+and each DataLoader worker (forked, or unpickled with spawn). Nothing here
+travels between processes; what does (the spec, the sampler, the
+generation) is shared with the dataset and read, never owned, here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+from shardcache.chunks import Chunk
+from shardcache.config import ClientConfig
+from shardcache.errors import (
+    ConfigError,
+    IndexUnavailable,
+    StaleVersionError,
+    TransformError,
+)
+from shardcache.flusher import at_exit, keep_flushed
+from shardcache.generations import Generations
+from shardcache.job import JobId
+from shardcache.keys import chunk_key
+from shardcache.manifest import Manifest
+from shardcache.reader import ChunkReader
+from shardcache.sampler import ShardSampler
+from shardcache.spec import DatasetSpec
+from shardcache.transport.read_path import open_client
+from shardcache.usage import ORIGINS, UsageReader, UsageReporter
+from shardcache.waits import WaitRecorder
+from shardcache.warmup import warm_chunks
+
+__all__ = ["RankSession", "open_for_this_process"]
+
+RANK_REPORT_EVERY = 50  # batches between best-effort rank reports to Redis
+STALE_RETRIES = 3  # generations a batch may try before the stores' error stands
+log = logging.getLogger("shardcache")
+
+
+def is_tuple_sample(sample: Any) -> bool:
+    """A dict whose fields are ``"(0)"``, ``"(1)"``...: a tuple a Dataset returned."""
+    return (
+        isinstance(sample, dict)
+        and bool(sample)
+        and all(
+            isinstance(k, str) and k.startswith("(") and k.endswith(")") for k in sample
+        )
+    )
+
+
+def as_tuple(sample: Any) -> Any:
+    if not is_tuple_sample(sample):
+        return sample
+    return tuple(sample[f"({i})"] for i in range(len(sample)))
+
+
+def _ray_inherited_by_fork() -> bool:
+    """In a process that is not the one that built the dataset: is Ray's
+    connection inherited (fork) rather than absent (spawn)?"""
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(ray.is_initialized())
+
+
+def open_for_this_process(
+    config: ClientConfig, *, forked: bool = False, ships_objects: bool = False
+) -> Any:
+    """This process's cache client (``open_client``), checked for what it must do.
+
+    Raises:
+        ConfigError: a forked DataLoader worker would read through Ray, which
+            cannot be used after fork; or a ``from_dataset`` Dataset object
+            would have to travel to the stores on a path without Ray.
+    """
+    client = open_client(config)
+    if ships_objects and not client.needs_ray:
+        raise ConfigError(
+            "from_dataset ships the Dataset object to the cache workers through "
+            "Ray, so it needs a process on a Ray node (Ray Train, or torchrun on "
+            "the cache's Ray nodes); pods reading through the node-local endpoint "
+            "or remotely can read packed files (format=) instead."
+        )
+    if forked and client.needs_ray and _ray_inherited_by_fork():
+        raise ConfigError(
+            "this DataLoader worker was forked from a process connected to "
+            "Ray, and Ray cannot be used after fork (its calls would hang). "
+            "Pass multiprocessing_context='spawn' (or 'forkserver') to the "
+            "DataLoader, or iterate ds.loader(batch_size) in the rank."
+        )
+    return client
+
+
+def _order_of(sampler: ShardSampler) -> dict[str, Any]:
+    """The sampler's order is a pure function of these: a store plans its
+    eviction on it (``clairvoyant``)."""
+    return {
+        "rank": sampler.rank,
+        "world_size": sampler.world_size,
+        "seed": sampler.seed,
+        "shuffle": "global" if sampler.mode == "global" else sampler.shuffle,
+        "drop_last": sampler.drop_last,
+        "epoch": sampler.epoch,
+        "block": sampler.block,
+    }
+
+
+class RankSession:
+    """One process's attachment to the cache and its batch path.
+
+    Args:
+        spec: what the dataset reads (settled).
+        job: this run's id. rank: this process's rank (for its reports).
+        sampler: the rank's order (shared with the dataset).
+        generations: which generation and listing a batch reads (shared).
+        client: this process's cache client (:func:`open_for_this_process`).
+        manifest: the listing, when this process has it mapped already (the
+            constructing process, a forked worker); ``None`` maps it by digest
+            at the first batch.
+    """
+
+    def __init__(
+        self,
+        spec: DatasetSpec,
+        job: JobId,
+        rank: int,
+        sampler: ShardSampler,
+        generations: Generations,
+        client: Any,
+        manifest: Manifest | None,
+    ):
+        self.pid = os.getpid()
+        self.spec, self.job, self.rank = spec, job, rank
+        self.sampler, self.generations = sampler, generations
+        self.client, self.manifest = client, manifest
+        self.reader: ChunkReader | None = None
+        self.waits = WaitRecorder()
+        self.counts = {
+            "hits": 0,
+            "misses": 0,
+            "remote_reads": 0,
+            "bytes": 0,
+            "samples": 0,
+            "generation_switches": 0,
+            "skipped": 0,
+        }
+        self.index_errors = 0
+        self.consumed = 0  # samples this process handed out this epoch
+        self.cursor = 0  # where in the epoch's order the next batch starts
+        self.batch_size = 0  # the first batch's, for the prefetch window
+        self.epoch_reported = False
+        self.warned_skip = False
+        generations.renew()
+        self.usage = UsageReporter(
+            lambda: self.client.index.client,
+            spec.config.namespace,
+            spec.name,
+            job.id,
+            rank,
+            redis_url=client.redis_url if spec.config.redis_url else "",
+        )
+        keep_flushed(self.usage)
+        at_exit(self.final_report)
+
+    @property
+    def is_current(self) -> bool:
+        """This session belongs to the running process (not inherited by fork)."""
+        return self.pid == os.getpid()
+
+    # -- attachment ------------------------------------------------------------------
+    def store_spec(self) -> dict[str, Any]:
+        """What the stores are told at registration: the listing, the
+        generation and the rank's order."""
+        return {
+            **self.spec.listing(),
+            "fingerprint": self.spec.fingerprint,
+            "generation": self.generations.generation,
+            "manifest": self.generations.digest,
+            "order": _order_of(self.sampler),
+        }
+
+    def attach(self) -> ChunkReader:
+        """This process's reader: registers with the node's store (ships the
+        preprocess) and maps the listing, once per process."""
+        if self.reader is not None:
+            return self.reader
+        self.client.install(self.store_spec(), self.spec.preprocess, self.spec.target)
+        if self.manifest is None:
+            self.manifest = self.client.map_manifest(
+                self.client.manifest_of(self.spec.name, self.generations.digest)
+            )
+        config = self.spec.config
+        self.reader = ChunkReader(
+            self.client,
+            self.spec.name,
+            self.manifest,
+            self.generations.digest,
+            config.hold_bytes,
+            config.request_timeout_s,
+            config.verify_reads,
+        )
+        return self.reader
+
+    def use_listing(self, manifest: Manifest, digest: str, stale: list[int]) -> None:
+        """Read ``manifest`` from now on (a refresh): chunks built from changed
+        objects are dropped and the stores learn the new listing."""
+        self.manifest = manifest
+        if self.reader is not None:
+            self.reader.set_manifest(manifest, digest)
+            self.reader.drop_chunks(stale)
+            self.client.install(
+                self.store_spec(), self.spec.preprocess, self.spec.target
+            )
+
+    def generation(self) -> int:
+        """The generation the next batch reads (see ``Generations.read``)."""
+        try:
+            return self.generations.read(self.client.index, self.manifest)
+        except IndexUnavailable:
+            # Redis down: keep serving what we hold under the last known
+            # generation; counted so the outage is visible in stats().
+            self.index_errors += 1
+            return self.generations.generation
+
+    # -- the batch path ----------------------------------------------------------------
+    def read_batch(
+        self, indices: Sequence[int], *, collate: bool, pin_memory: bool = False
+    ) -> Any:
+        """One batch of ``indices``: a list of samples, or (``collate``) one
+        tensor per field gathered in one copy. Down once, back once."""
+        started = time.perf_counter()
+        # 1. Attach: this process's reader (its first batch maps the listing).
+        reader = self.attach()
+        # 2. Locate: every sample index -> (chunk, row), vectorised.
+        idx = np.asarray(indices, dtype=np.int64)
+        chunk_ids, rows = reader.locate(idx)
+        # 3. Fetch the chunks, all of one generation.
+        chunks = self._chunks_of_one_generation(reader, chunk_ids)
+        # 4. on_error="skip": a sample that could not be read or built is
+        #    replaced by another of its batch (every rank keeps its steps).
+        if self.spec.on_error == "skip":
+            chunk_ids, rows, idx, skipped = reader.substitute_failed(
+                chunks, chunk_ids, rows, idx
+            )
+            if skipped:
+                self._note_skipped(skipped)
+        # 5. Gather: straight into the batch tensor, unless samples go one by
+        #    one (a list was asked for, or the transform runs per sample).
+        transform = self.spec.transform
+        if collate and transform is None:
+            batch = as_tuple(reader.collate(chunks, chunk_ids, rows, idx, pin_memory))
+        else:
+            batch = [
+                reader.sample(chunks[c], r, i)
+                for c, r, i in zip(
+                    chunk_ids.tolist(), rows.tolist(), idx.tolist(), strict=True
+                )
+            ]
+            if batch and is_tuple_sample(batch[0]):
+                batch = [as_tuple(s) for s in batch]
+            if transform is not None:
+                batch = [
+                    self._transform(i, s)
+                    for i, s in zip(idx.tolist(), batch, strict=True)
+                ]
+            if collate:
+                batch = torch.utils.data.default_collate(batch)
+        # 6. Account: where the samples came from, what the batch waited.
+        delta = reader.count(chunk_ids, idx)
+        self._account(delta, len(idx), time.perf_counter() - started)
+        # 7. Look ahead: resolve the coming batches' chunks, report the rank.
+        self._look_ahead(reader)
+        return batch
+
+    def _chunks_of_one_generation(
+        self, reader: ChunkReader, chunk_ids: np.ndarray
+    ) -> dict[int, Chunk]:
+        for attempt in range(STALE_RETRIES):
+            reader.use_generation(self.generation())
+            try:
+                return reader.chunks_for(chunk_ids)
+            except StaleVersionError:
+                if attempt == STALE_RETRIES - 1:
+                    raise
+                # The snapshot expired on the stores: move to the newest
+                # generation at this batch boundary, never within a batch.
+                self.generations.renew()
+                self.counts["generation_switches"] += 1
+        raise AssertionError("unreachable")
+
+    def _note_skipped(self, skipped: list[int]) -> None:
+        self.counts["skipped"] += len(skipped)
+        self.usage.skipped(len(skipped))
+        if not self.warned_skip:
+            self.warned_skip = True
+            assert self.manifest is not None
+            log.warning(
+                "shardcache: dataset %s: skipping samples that could not be read "
+                "or built (on_error='skip'), first %s; each is replaced by another "
+                "sample of its batch and counted as skipped in stats()",
+                self.spec.name,
+                ", ".join(repr(self.manifest.url(i)) for i in skipped[:3]),
+            )
+
+    def _transform(self, idx: int, sample: Any) -> Any:
+        transform = self.spec.transform
+        assert transform is not None and self.manifest is not None
+        try:
+            return transform(sample)
+        except Exception as exc:  # user code
+            raise TransformError(
+                f"transform {getattr(transform, '__qualname__', transform)!r} raised "
+                f"{type(exc).__name__} on {self.manifest.url(idx)!r}: {exc}"
+            ) from exc
+
+    def _account(self, delta: dict[str, int], n: int, waited: float) -> None:
+        self.counts["hits"] += delta["local"] + delta["peer"]
+        self.counts["misses"] += delta["source"]
+        self.counts["remote_reads"] += delta["source"]
+        self.counts["bytes"] += (
+            delta["local_bytes"] + delta["peer_bytes"] + delta["source_bytes"]
+        )
+        self.waits.record(waited)
+        for origin in ORIGINS:
+            if delta[origin]:
+                self.usage.served(origin, delta[origin], delta[f"{origin}_bytes"])
+        self.usage.waited(waited, self.sampler.epoch)
+        self.counts["samples"] += n
+        self.consumed += n
+        self.batch_size = self.batch_size or n
+        self.cursor += n
+
+    def _look_ahead(self, reader: ChunkReader) -> None:
+        prefetch_batches = self.spec.config.prefetch_batches
+        if prefetch_batches:
+            order = self.sampler.order()
+            window = prefetch_batches * self.batch_size
+            # The first batch asks for the whole rest of the epoch: a cold
+            # epoch then keeps every core of the node's stores busy (the
+            # reader stops early when the stores cannot cache what it asks).
+            whole = self.waits.batches == 1 and not reader.saw_uncached
+            span = len(order) if whole else window
+            reader.prefetch(order[self.cursor : self.cursor + span])
+        if (
+            not self.epoch_reported
+            and self.cursor >= len(self.sampler)
+            and get_worker_info() is None  # a worker sees only part of it
+        ):
+            # The rank's share of the epoch is delivered: its numbers go out
+            # now, not whenever the next epoch (or the exit) comes. Once.
+            self.epoch_reported = True
+            reader.submit(self.usage.flush)
+            self.report_rank(in_background=True)
+        elif self.waits.batches % RANK_REPORT_EVERY == 0:
+            self.report_rank(in_background=True)
+
+    # -- the cache around this rank -------------------------------------------------------
+    def warm(self, upcoming: np.ndarray, *, progress: bool) -> dict[str, int]:
+        """Hold the chunks of the ``upcoming`` samples on this node now."""
+        reader = self.attach()
+        reader.use_generation(self.generation())
+        return warm_chunks(reader, upcoming, progress=progress)
+
+    def cached_locality(self, shard: np.ndarray) -> dict[str, int]:
+        """How many of ``shard``'s samples each node holds (from the index)."""
+        assert self.manifest is not None
+        chunk_ids, counts = np.unique(
+            self.manifest.layout.chunk_of(shard), return_counts=True
+        )
+        keys = [chunk_key(c) for c in chunk_ids.tolist()]
+        generation = self.generations.generation
+        entries = self.client.index.entries(self.spec.name, generation, keys)
+        out: dict[str, int] = {}
+        for key, n in zip(keys, counts.tolist(), strict=True):
+            entry = entries.get(key)
+            if entry is not None:
+                owner = str(entry.get("owner"))
+                out[owner] = out.get(owner, 0) + n
+        return out
+
+    # -- epochs and reports --------------------------------------------------------------
+    def start_epoch(self, resuming: bool) -> None:
+        """A new epoch of this process: last epoch's numbers go out, the
+        counters restart (a pending resume keeps its position)."""
+        self.epoch_reported = False
+        self.report_rank()
+        if not resuming:
+            self.consumed = 0
+            self.cursor = 0
+        self.waits.reset()
+        if self.reader is not None and self.is_current:
+            self.reader.new_epoch()
+
+    def report_rank(self, in_background: bool = False) -> None:
+        if self.waits.batches == 0:
+            return
+        report = {
+            **self.counts,
+            **self.waits.summary(),
+            "batches": self.waits.batches,
+            "epoch": self.sampler.epoch,
+            "generation": self.generations.generation,
+            "ts": time.time(),
+        }
+        if in_background and self.reader is not None:
+            # The report is built here (the wait deque is not thread-safe to
+            # read); only the Redis write leaves the training loop's path.
+            self.reader.submit(self._write_rank_report, report)
+        else:
+            self._write_rank_report(report)
+
+    def _write_rank_report(self, report: dict[str, Any]) -> None:
+        try:
+            self.client.index.record_rank(
+                self.spec.name, self.job.id, self.rank, report
+            )
+        except IndexUnavailable:
+            self.index_errors += 1
+
+    def stats(self, rank: int, moved_on_resume: float) -> dict[str, Any]:
+        """This process's counters and wait percentiles, plus the dataset's
+        cluster totals (``DistributedCachedDataset.stats``)."""
+        reader = self.reader
+        out: dict[str, Any] = {
+            "rank": rank,
+            "dataset": self.spec.name,
+            "job": self.job.id,
+            "job_source": self.job.source,
+            # The counters below are this process's; DataLoader workers count
+            # (and report) their own: "job_totals" is every process of the job.
+            "counts": "this process",
+            "generation": self.generations.generation,
+            **self.counts,
+            "batches": self.waits.batches,
+            "index_errors": self.index_errors,
+            "held_bytes": reader.held_bytes if reader is not None else 0,
+            "served": dict(reader.counts) if reader is not None else {},
+            "moved_on_resume": moved_on_resume,
+            **self.waits.summary(),
+        }
+        total = out["hits"] + out["misses"]
+        out["hit_rate"] = out["hits"] / total if total else 0.0
+        try:
+            totals = UsageReader(self.client.index.client, self.spec.config.namespace)
+            self.usage.flush()  # so job_totals include this process's last batch
+            out["cluster"] = totals.totals(self.spec.name).as_dict()
+            out["job_totals"] = totals.job_totals(self.spec.name, self.job.id).as_dict()
+        except IndexUnavailable:
+            out["cluster"] = out["job_totals"] = None
+        return out
+
+    def final_report(self) -> None:
+        """At process exit (``shardcache.flusher``): the last rank report;
+        the usage counts are flushed right after."""
+        if get_worker_info() is not None:
+            # A DataLoader worker: its counts are flushed under the rank's
+            # name, but the rank's report and its end are the rank's own.
+            self.usage.owns_rank = False
+            return
+        if self.is_current:
+            self.report_rank()
+
+    def close_reader(self) -> None:
+        """Stop this process's prefetch pool (the world or the process changed)."""
+        if self.reader is not None and self.is_current:
+            self.reader.close()
+
+    def close(self) -> None:
+        """Report final stats, stop the prefetch threads, flush usage."""
+        self.report_rank()
+        if self.reader is not None:
+            self.reader.close()
+        self.usage.close()
