@@ -11,7 +11,7 @@ from pathlib import Path
 
 import redis as redis_py
 
-from shardcache.dataset import default_name
+from shardcache.spec import default_name
 from shardcache.usage import UsageReader
 from shardcache_server.datagen import make_image
 
