@@ -10,16 +10,30 @@ so that no rank takes a step more and no sample is skipped or repeated, and
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import numpy as np
 from torch.utils.data import Sampler
 
 from shardcache.errors import ConfigError
 
-if TYPE_CHECKING:
-    from shardcache.sampler import ShardSampler
+__all__ = ["RankOrder", "ShardBatchSampler", "batch_bounds"]
 
-__all__ = ["ShardBatchSampler", "batch_bounds"]
+
+class RankOrder(Protocol):
+    """What a batch sampler needs of a rank's sampler (``ShardSampler``); a
+    protocol, so that the sampler can hand out batches of itself without the
+    two modules importing each other."""
+
+    _yielded: int
+    pending_skip: int
+
+    def __len__(self) -> int: ...
+    def lengths(self) -> list[int]: ...
+    def order(self) -> np.ndarray: ...
+    def _begin_pass(self) -> int: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 def batch_bounds(
@@ -66,10 +80,8 @@ class ShardBatchSampler(Sampler[list[int]]):
             ``ds.sampler`` (a trainer put its own in its place).
     """
 
-    def __init__(self, sampler: ShardSampler, batch_size: int, drop_last: bool = False):
-        from shardcache.sampler import ShardSampler  # the two modules import each other
-
-        if not isinstance(sampler, ShardSampler):
+    def __init__(self, sampler: RankOrder, batch_size: int, drop_last: bool = False):
+        if not hasattr(sampler, "_begin_pass"):  # not a dataset's ds.sampler
             # Lightning rebuilds a DataLoader's custom batch sampler around a
             # DistributedSampler of its own unless told not to.
             raise ConfigError(

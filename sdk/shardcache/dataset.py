@@ -532,12 +532,6 @@ class DistributedCachedDataset(Dataset[Any]):
         upcoming = order[start : start + steps * batch_size]
         return session.warm(upcoming, progress=progress)
 
-    def to_ray_dataset(self, **ray_args: Any) -> Any:
-        """Every chunk as a ``ray.data.Dataset`` (``shardcache.ray_data.from_cached``)."""
-        from shardcache.ray_data import from_cached  # imports Ray Data on first use
-
-        return from_cached(self, **ray_args)
-
     def cached_locality(self) -> dict[str, int]:
         """How many of this rank's shard samples are cached on each node (from the index)."""
         return self._session.cached_locality(self._sampler.shard)

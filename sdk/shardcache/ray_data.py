@@ -1,6 +1,6 @@
 """Ray Data over the cache: a ``ray.data.Dataset`` whose blocks are the cached chunks.
 
-``read(url, preprocess=...)`` (or ``DistributedCachedDataset.to_ray_dataset()``)
+``read(url, preprocess=...)`` (or ``from_cached(ds)`` for a ``DistributedCachedDataset``)
 lists the source once, as the SDK does, and returns a lazy Dataset with one
 read task, and one block, per chunk. Each time the Dataset is executed (every
 epoch of ``iter_batches``, every epoch of a ``TorchTrainer`` worker's
@@ -208,7 +208,7 @@ def from_cached(
     concurrency: int | None = None,
 ) -> ray.data.Dataset:
     """Every chunk of ``ds`` (not one rank's shard) as a Ray Dataset; what
-    ``ds.to_ray_dataset()`` returns. Arguments as for :func:`read`.
+    ``from_cached(ds)`` returns. Arguments as for :func:`read`.
 
     Raises:
         ConfigError: ``ds`` reads through a node-local endpoint or a remote
@@ -218,7 +218,7 @@ def from_cached(
 
     if not ds._session.client.needs_ray:
         raise ConfigError(
-            "to_ray_dataset needs a process on the cache's Ray cluster (the driver "
+            "from_cached needs a process on the cache's Ray cluster (the driver "
             "of a Ray job, a Ray Train worker); this one reads through the "
             "node-local endpoint or a remote cache worker."
         )

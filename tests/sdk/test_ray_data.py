@@ -146,10 +146,10 @@ def test_ray_data_read_epochs_and_pipelines_read_each_object_once(
     assert sorted(got) == sorted({**payload, f"{bucket}/d/003.bin": b"n" * 32}.values())
     assert s3.total_gets == 1
     # The same through a DistributedCachedDataset.
-    from shardcache import DistributedCachedDataset
+    from shardcache import DistributedCachedDataset, ray_data
 
     sdk = DistributedCachedDataset(**_source(s3, bucket, redis_url, namespace))
-    assert sdk.to_ray_dataset(num_cpus=0.25).count() == COUNT
+    assert ray_data.from_cached(sdk, num_cpus=0.25).count() == COUNT
     assert s3.total_gets == 1
 
 
