@@ -9,7 +9,8 @@ process: DataLoader workers make their own).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -21,17 +22,20 @@ from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
 from shardcache.decoders import as_arrays
 from shardcache.errors import ConfigError
 from shardcache.fingerprint import fingerprint as object_fingerprint
-from shardcache.generations import Generations, open_listing
+from shardcache.generations import Generations, layout_digest, open_listing
 from shardcache.job import resolve_job
 from shardcache.loader import BatchLoader
 from shardcache.manifest import Manifest
 from shardcache.resume import apply_state, current_node, gather_states, merge_states
+from shardcache.resume.apply import check_on_change
 from shardcache.sampler import ShardSampler
 from shardcache.session import RankSession, open_for_this_process
 from shardcache.spec import DatasetSpec, check_source_dataset
 from shardcache.world import World
 
 __all__ = ["DistributedCachedDataset"]
+
+log = logging.getLogger("shardcache")
 
 DEFAULT_DATASET_CHUNK_SAMPLES = 256  # from_dataset: sample sizes are unknown at listing
 
@@ -233,6 +237,8 @@ class DistributedCachedDataset(Dataset[Any]):
             shuffle_block=shuffle_block or 0,
         )
         self._epoch_started: int | None = None
+        # Set by a resume that crossed a source change (on_change="new_listing").
+        self._resumed_across: dict[str, Any] | None = None
         self._sampler.bind(self._start_epoch, self._use_world)
         self._generations = Generations(self.spec, digest)
         self._generations.register(client.index, manifest)
@@ -417,7 +423,10 @@ class DistributedCachedDataset(Dataset[Any]):
     def stats(self) -> dict[str, Any]:
         """This rank's counters and wait percentiles, plus the dataset's cluster totals."""
         moved = self._sampler.moved_on_resume
-        return self._session.stats(self.rank, moved)
+        out = self._session.stats(self.rank, moved)
+        out["listing"] = self.digest
+        out["resumed_across_change"] = self._resumed_across
+        return out
 
     def invalidate(self) -> int:
         """Start a new generation now; the next batch re-fetches. Returns it."""
@@ -444,7 +453,9 @@ class DistributedCachedDataset(Dataset[Any]):
 
     # -- state (resume) ------------------------------------------------------------------
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
-        """Where this rank is: O(1) (epoch, seed, world, consumed count, node).
+        """Where this rank is: O(1) (epoch, seed, world, consumed count, node),
+        and what it read: the listing digest (``"manifest"``), the cache
+        generation and the sample layout's digest.
 
         ``consumed`` overrides the count seen by this process (pass it when
         DataLoader workers fetch, e.g. ``batches_done * batch_size``; or use
@@ -456,6 +467,8 @@ class DistributedCachedDataset(Dataset[Any]):
             **self._sampler.state(),
             "consumed": self._session.consumed if consumed is None else int(consumed),
             "manifest": self.digest,
+            "generation": self.generation,
+            "layout": layout_digest(self._sampler.sizes),
             "node": current_node(),
         }
 
@@ -479,6 +492,8 @@ class DistributedCachedDataset(Dataset[Any]):
         self,
         state: dict[str, Any] | Sequence[dict[str, Any]],
         nodes: Sequence[str] | None = None,
+        *,
+        on_change: str = "error",
     ) -> None:
         """Resume mid-epoch: the next iteration yields exactly the unseen samples.
 
@@ -495,18 +510,50 @@ class DistributedCachedDataset(Dataset[Any]):
         still give every rank the same number of steps (a plain
         ``batch_size=B`` can leave one rank a one-sample step more).
 
+        ``on_change`` decides a state saved before objects of the source
+        changed (this job re-listed them): ``"error"`` (the default) refuses
+        and names the changed objects, so a resumed run's data is always
+        what the saved run would have read; ``"new_listing"`` finishes the
+        saved epoch on today's listing: every sample not yet delivered is
+        delivered once, and changed objects among them at their new version
+        (those delivered before the save were trained on at the old one).
+        It needs the same objects listed (none added or removed).
+
         Raises:
-            ConfigError: the state belongs to another dataset, seed or mode, or
-                one rank's state is given for another world size.
+            ConfigError: the state belongs to another dataset, seed or mode,
+                one rank's state is given for another world size, or it was
+                saved on another listing (see ``on_change``).
         """
+        check_on_change(on_change)
         session = self._session
         explain = partial(
             self._generations.explain, session.client, current=session.manifest
         )
         consumed = apply_state(
-            self._sampler, state, self.digest, nodes, explain=explain
+            self._sampler,
+            state,
+            self.digest,
+            nodes,
+            explain=explain,
+            on_change=on_change,
+            layout=layout_digest(self._sampler.sizes),
         )
         self._session.consumed = self._session.cursor = consumed
+        saved = _saved_listing(state)
+        if saved is not None and saved != self.digest:
+            what = explain(saved)
+            self._resumed_across = {
+                "saved_listing": saved,
+                "listing": self.digest,
+                "changes": what,
+            }
+            log.warning(
+                "shardcache: dataset %s resumed on a new listing (on_change="
+                "'new_listing'; %s): changed objects not yet delivered this "
+                "epoch are read at their new version",
+                self.name,
+                what,
+            )
 
     # -- the cache around this rank --------------------------------------------------------
     def warm(
@@ -550,3 +597,10 @@ class DistributedCachedDataset(Dataset[Any]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _saved_listing(state: Any) -> str | None:
+    """The listing digest a state (one rank's, merged, or a list) was saved on."""
+    first = state if isinstance(state, Mapping) else (state[0] if state else {})
+    saved = first.get("manifest")
+    return None if saved is None else str(saved)

@@ -10,6 +10,7 @@ generation is due again is its own (``renew``).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +31,21 @@ if TYPE_CHECKING:
     from shardcache.index import RedisIndex
     from shardcache.spec import DatasetSpec
 
-__all__ = ["Generations", "Refreshed", "open_listing"]
+__all__ = ["Generations", "Refreshed", "layout_digest", "open_listing"]
+
+
+def layout_digest(sizes: np.ndarray) -> str:
+    """Where every sample sits: a digest of the chunk sizes, saved with a
+    state so a resume on a new listing knows whether positions still mean
+    the same samples (a re-listing of the same objects keeps the chunks).
+
+    >>> layout_digest(np.array([3, 2])) == layout_digest([3, 2])
+    True
+    >>> layout_digest([3, 2]) == layout_digest([2, 3])
+    False
+    """
+    raw = np.ascontiguousarray(np.asarray(sizes, dtype=np.int64)).tobytes()
+    return hashlib.sha1(raw).hexdigest()[:16]
 
 
 def open_listing(client: Any, spec: DatasetSpec, job: str) -> tuple[Manifest, str]:

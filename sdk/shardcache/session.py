@@ -333,6 +333,7 @@ class RankSession:
             if delta[origin]:
                 self.usage.served(origin, delta[origin], delta[f"{origin}_bytes"])
         self.usage.waited(waited, self.sampler.epoch)
+        self.usage.reading(self.generations.digest, self.generations.generation)
         self.counts["samples"] += n
         self.consumed += n
         self.batch_size = self.batch_size or n

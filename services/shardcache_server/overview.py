@@ -75,10 +75,19 @@ def dataset_overview(
         "bytes_cached": cached_bytes,
         "bytes_cached_estimated": bytes_estimated,
         **usage.totals(name).as_dict(),
-        "jobs": [{"job": job, **t.as_dict()} for job, t in usage.jobs(name).items()],
+        "jobs": _jobs(usage, name),
         "store": store_traffic(index.stats(name)),
         "generations": generations,
     }
+
+
+def _jobs(usage: UsageReader, name: str) -> list[dict[str, Any]]:
+    """The recent jobs' figures, each with the listing and generation it read."""
+    jobs = usage.jobs(name)
+    reads = usage.job_reads(name, list(jobs))
+    return [
+        {"job": job, **reads[job].as_dict(), **t.as_dict()} for job, t in jobs.items()
+    ]
 
 
 def node_rows(index: RedisIndex) -> list[dict[str, Any]]:

@@ -84,6 +84,26 @@ def test_usage_reporter_counts_each_origin_once_in_every_view(redis_url):
     assert point[1] == t
 
 
+def test_usage_job_record_is_the_listing_and_generation_of_the_latest_batch(
+    redis_url,
+):
+    ns = _ns()
+    reporter = UsageReporter(_factory(redis_url), ns, "images", "job1", 0)
+    reader = UsageReader(redis_py.Redis.from_url(redis_url, decode_responses=True), ns)
+    reporter.served("local", 1, 1)
+    assert reporter.flush()  # no batch read yet: no record
+    assert reader.job_reads("images", ["job1"])["job1"].listing is None
+    reporter.reading("d1", 1)
+    reporter.served("local", 1, 1)
+    reporter.reading("d2", 3)  # a refresh and an invalidation since
+    assert reporter.flush()
+    read = reader.job_reads("images", ["job1", "other"])
+    assert read["job1"].as_dict() == {"listing": "d2", "generation": 3}
+    assert read["other"].as_dict() == {"listing": None, "generation": None}
+    assert reader.datasets_of_job(["images", "text"], "job1") == ["images"]
+    assert reader.jobs("images")["job1"].samples == 2  # totals unaffected
+
+
 def test_usage_flush_applied_once_when_the_reply_is_lost(redis_url):
     """Redis applied the flush but the reply never came: the retry is a no-op."""
 

@@ -1,4 +1,20 @@
-"""Pointing a sampler at the rest of a saved epoch: check the state, then resume or re-deal."""
+"""Pointing a sampler at the rest of a saved epoch: check the state, then resume or re-deal.
+
+A state saved on another listing of the source (objects rewritten since) is
+resumed as ``on_change`` says:
+
+* ``"error"`` (the default): refused, naming the changed objects. The only
+  choice that keeps a resumed run's data exactly what an uninterrupted run
+  would have read.
+* ``"new_listing"``: the saved epoch and consumed counts apply to today's
+  listing. Positions are a pure function of the sample layout (chunk sizes),
+  which a re-listing keeps while the same objects are listed, so every
+  sample not yet delivered is delivered once and none twice. Given up: a
+  changed object delivered before the save was trained on at its old
+  version, and one not yet delivered is read at its new version, so that
+  epoch mixes the two listings. Objects added or removed move the
+  positions: that is refused too.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +24,27 @@ from typing import Any
 from shardcache.errors import ConfigError
 from shardcache.resume.state import current_node, gather_nodes, merge_states
 
-__all__ = ["apply_state"]
+__all__ = ["ON_CHANGE", "apply_state", "check_on_change"]
+
+# What a resume does when the source changed since the state was saved.
+ON_CHANGE = ("error", "new_listing")
+
+
+def check_on_change(on_change: str) -> str:
+    """``on_change``, validated.
+
+    Raises:
+        ConfigError: not one of ``ON_CHANGE``.
+
+    >>> check_on_change("new_listing")
+    'new_listing'
+    """
+    if on_change not in ON_CHANGE:
+        raise ConfigError(
+            f"on_change must be one of {', '.join(map(repr, ON_CHANGE))}, got "
+            f"{on_change!r}."
+        )
+    return on_change
 
 
 def apply_state(
@@ -17,6 +53,9 @@ def apply_state(
     digest: str,
     nodes: Sequence[str] | None = None,
     explain: Callable[[str], str] | None = None,
+    *,
+    on_change: str = "error",
+    layout: str | None = None,
 ) -> int:
     """Point ``sampler`` (a ShardSampler) at the rest of the saved epoch; returns
     the samples this rank already consumed of its (new) order.
@@ -27,11 +66,17 @@ def apply_state(
     rest is re-dealt (:func:`plan_resume`) over ``nodes``, gathered over the
     process group when not given. ``explain(saved_digest)`` says what
     changed between the saved listing and this one (the error names it).
+    ``on_change`` says what a state saved on another listing does (module
+    docstring); ``layout`` is this listing's :func:`layout_digest`, which a
+    ``"new_listing"`` resume needs to equal the saved one.
 
     Raises:
-        ConfigError: another seed, mode or listing; one rank's state for
-            another world; a world change with no way to know the nodes.
+        ConfigError: another seed, mode or listing (``on_change="error"``),
+            or a listing whose samples moved (``"new_listing"``); one rank's
+            state for another world; a world change with no way to know the
+            nodes.
     """
+    check_on_change(on_change)
     merged = None
     if not isinstance(state, Mapping) or isinstance(state.get("consumed"), list):
         merged = merge_states([state] if isinstance(state, Mapping) else state)
@@ -55,12 +100,23 @@ def apply_state(
             f"dataset has {mine.get('block') or 0!r}; resume with the same settings."
         )
     saved = state.get("manifest")
-    if saved != digest:
+    if saved != digest and (
+        on_change == "error" or layout is None or state.get("layout") != layout
+    ):
         what = explain(str(saved)) if explain is not None else "the objects changed"
+        if on_change == "error":
+            raise ConfigError(
+                f"state_dict was saved on another listing of the source ({what}). "
+                "Restore those objects and resume, pass on_change='new_listing' "
+                "to finish the epoch on today's listing (changed objects not yet "
+                "delivered are read at their new version), or start the epoch "
+                "over (skip load_state_dict)."
+            )
         raise ConfigError(
-            f"state_dict was saved on another listing of the source ({what}); "
-            "its positions would not match today's shards. Start the epoch over "
-            "(skip load_state_dict), or restore those objects and resume."
+            f"on_change='new_listing' cannot map the saved positions onto "
+            f"today's listing ({what}): objects were added or removed (or the "
+            "state predates layout records), so its samples moved. Start the "
+            "epoch over (skip load_state_dict)."
         )
     epoch = int(state["epoch"])
     if merged is not None:

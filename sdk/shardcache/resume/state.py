@@ -25,6 +25,7 @@ STATE_VERSION = 1  # bumped when the meaning of a saved state changes
 # Keys every rank of one world must agree on; merge_states checks them.
 WORLD_KEYS = (
     "manifest",
+    "layout",
     "epoch",
     "seed",
     "mode",
@@ -103,9 +104,12 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             f"states of ranks {missing} are missing (world_size={world}); every "
             "rank's state is needed to know which samples were consumed."
         )
+    # Ranks may snapshot a generation a batch apart; the newest is the record.
+    generations = [int(s["generation"]) for s in states if s.get("generation")]
     return {
         "version": first.get("version", STATE_VERSION),
         **{k: first.get(k) for k in WORLD_KEYS},
+        "generation": max(generations) if generations else None,
         "consumed": consumed,
         "nodes": nodes,
     }

@@ -15,7 +15,7 @@ split by), ``report`` (what each rank process counts and writes, the
 CLI and the dashboard, the :class:`UsageReader`).
 """
 
-from shardcache.usage.read import JOBS_SHOWN, RANKS_SHOWN, UsageReader
+from shardcache.usage.read import JOBS_SHOWN, RANKS_SHOWN, JobRead, UsageReader
 from shardcache.usage.report import (
     APPLY_SCRIPT,
     FLUSH_INTERVAL_S,
@@ -31,6 +31,7 @@ __all__ = [
     "FLUSH_INTERVAL_S",
     "HEARTBEAT_S",
     "JOBS_SHOWN",
+    "JobRead",
     "MAX_BACKOFF_S",
     "MAX_PENDING_FLUSHES",
     "ORIGINS",

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import redis
 
@@ -11,10 +12,33 @@ from shardcache import keys
 from shardcache.index import SERIES_BUCKET_S, map_redis_errors
 from shardcache.usage.totals import WAIT_EPOCH_FIELD, RankUsage, UsageTotals
 
-__all__ = ["JOBS_SHOWN", "RANKS_SHOWN", "UsageReader"]
+__all__ = ["JOBS_SHOWN", "RANKS_SHOWN", "JobRead", "UsageReader"]
 
 JOBS_SHOWN = 5  # most recent jobs listed per dataset
 RANKS_SHOWN = 512  # most recent ranks listed per dataset
+
+
+@dataclass(frozen=True)
+class JobRead:
+    """What one job read of one dataset: the listing digest and the cache
+    generation of its latest reported batch (the run's data record).
+
+    >>> JobRead.from_hash({"listing": "ab12", "generation": "3"})
+    JobRead(listing='ab12', generation=3)
+    >>> JobRead.from_hash({}).listing is None
+    True
+    """
+
+    listing: str | None
+    generation: int | None
+
+    @classmethod
+    def from_hash(cls, raw: Mapping[str, str]) -> JobRead:
+        gen = raw.get("generation")
+        return cls(raw.get("listing") or None, int(gen) if gen else None)
+
+    def as_dict(self) -> dict[str, str | int | None]:
+        return {"listing": self.listing, "generation": self.generation}
 
 
 class UsageReader:
@@ -68,6 +92,38 @@ class UsageReader:
             return UsageTotals.from_hash(
                 self.client.hgetall(keys.usage_job_key(self.ns, dataset, job))
             )
+
+    def job_reads(self, dataset: str, jobs: Sequence[str]) -> dict[str, JobRead]:
+        """The listing and generation each of ``jobs`` read of ``dataset`` (one
+        pipeline); a job that reported nothing reads ``JobRead(None, None)``.
+
+        Raises:
+            IndexUnavailable: Redis is unreachable.
+        """
+        pipe = self.client.pipeline(transaction=False)
+        for job in jobs:
+            pipe.hmget(
+                keys.usage_job_key(self.ns, dataset, job), "listing", "generation"
+            )
+        with map_redis_errors(self._url):
+            rows = pipe.execute() if jobs else []
+        return {
+            job: JobRead.from_hash({"listing": r[0] or "", "generation": r[1] or ""})
+            for job, r in zip(jobs, rows, strict=True)
+        }
+
+    def datasets_of_job(self, datasets: Sequence[str], job: str) -> list[str]:
+        """Those of ``datasets`` that ``job`` reported reading (one pipeline).
+
+        Raises:
+            IndexUnavailable: Redis is unreachable.
+        """
+        pipe = self.client.pipeline(transaction=False)
+        for ds in datasets:
+            pipe.exists(keys.usage_job_key(self.ns, ds, job))
+        with map_redis_errors(self._url):
+            found = pipe.execute() if datasets else []
+        return [ds for ds, n in zip(datasets, found, strict=True) if n]
 
     def jobs(self, dataset: str, limit: int = JOBS_SHOWN) -> dict[str, UsageTotals]:
         """The ``limit`` most recently reporting jobs and their totals, newest first."""

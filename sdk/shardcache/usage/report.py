@@ -8,6 +8,7 @@ Contract for the rank (``DistributedCachedDataset``), one reporter per process
     # On the training path, in memory only (no I/O; measured ~0.8 us a call):
     reporter.served(origin, samples, nbytes)  # per batch and origin, in __getitems__
     reporter.waited(seconds, epoch)           # per batch, beside WaitRecorder.record
+    reporter.reading(digest, generation)      # per batch: the listing and generation read
     # Once per process (a spawned DataLoader worker included):
     keep_flushed(reporter)  # shardcache.flusher: a daemon thread flushes it every
     # FLUSH_INTERVAL_S and the process's exit (normal, or after an uncaught
@@ -71,8 +72,10 @@ MAX_BACKOFF_S = 30.0  # retry interval cap while Redis is unreachable
 # KEYS[1] reporter seq key, KEYS[2] dataset totals, KEYS[3] job totals,
 # KEYS[4] rank hash, KEYS[5] jobs zset, KEYS[6] ranks zset,
 # KEYS[7..] dataset bucket, job bucket, dataset bucket, job bucket, ...
-# ARGV[1] JSON {ts, ttl, job, member, batches: [{seq, totals, rank, buckets:
-#   [[key index, counters]], epoch?}]}; counters are {field: "integer"}.
+# ARGV[1] JSON {ts, ttl, job, member, listing?, generation?, batches: [{seq,
+#   totals, rank, buckets: [[key index, counters]], epoch?}]}; counters are
+#   {field: "integer"}. listing/generation: what the process read last, set on
+#   the job's hash and the rank's (the run's data record).
 # A batch whose seq is not above the stored one was applied already (its
 # reply was lost) and is skipped. Returns how many batches were applied.
 APPLY_SCRIPT = """
@@ -103,6 +106,10 @@ for _, b in ipairs(doc.batches) do
   end
 end
 redis.call('SET', KEYS[1], done, 'EX', doc.ttl)
+if doc.listing then
+  redis.call('HSET', KEYS[3], 'listing', doc.listing, 'generation', doc.generation)
+  redis.call('HSET', KEYS[4], 'listing', doc.listing, 'generation', doc.generation)
+end
 redis.call('HSET', KEYS[4], 'ts', doc.ts)
 redis.call('ZADD', KEYS[5], doc.ts, doc.job)
 redis.call('ZADD', KEYS[6], doc.ts, doc.member)
@@ -199,6 +206,9 @@ class UsageReporter:
         self._rank_only: dict[str, int] = {}
         self._lost: dict[str, int] = {}  # dropped, to be reported by the next batch
         self._epoch: int | None = None
+        # The listing digest and generation the last batch read: the job's
+        # record of what it trained on ("" until the first batch).
+        self.listing, self.generation = "", 0
         self._pending: deque[_Batch] = deque()
         self._seq = 0
         self._id = uuid.uuid4().hex[:16]  # this reporter's seq namespace in Redis
@@ -246,6 +256,11 @@ class UsageReporter:
             counts["waits"] = counts.get("waits", 0) + 1
             self._rank_only[per_epoch] = self._rank_only.get(per_epoch, 0) + us
             self._epoch = epoch
+
+    def reading(self, listing: str, generation: int) -> None:
+        """Record the listing digest and generation the batch just delivered
+        was read from (written with the next flush; two attribute stores)."""
+        self.listing, self.generation = listing, generation
 
     @property
     def unflushed_samples(self) -> int:
@@ -391,6 +406,9 @@ class UsageReporter:
                 if b.epoch is not None:
                     doc["epoch"] = b.epoch
                 docs.append(doc)
+            record: dict[str, Any] = {}
+            if self.listing:
+                record = {"listing": self.listing, "generation": str(self.generation)}
             self._script(
                 keys=[
                     keys.usage_seq_key(self.ns, self.dataset, self._id),
@@ -408,6 +426,7 @@ class UsageReporter:
                             "ttl": SERIES_TTL_S,
                             "job": self.job,
                             "member": self._member,
+                            **record,
                             "batches": docs,
                         }
                     )

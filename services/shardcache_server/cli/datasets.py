@@ -27,11 +27,17 @@ def _pct(x: float | None) -> str:
 def stats(
     name: str = typer.Argument(None, help="dataset; default: all"),
     by_job: bool = typer.Option(False, "--by-job", help="a row per recent job"),
+    job: str = typer.Option(
+        None, "--job", help="one job: what it read (listing, generation) and got"
+    ),
     redis_url: str = RedisOpt,
     namespace: str = NamespaceOpt,
 ) -> None:
     """Hit rate of the samples ranks delivered (local/peer/source), GETs saved,
-    and the stores' own traffic apart."""
+    and the stores' own traffic apart. With --by-job or --job, each job's
+    record: the listing digest and cache generation it read. Exit 2 for an
+    unknown dataset, or a job that read none."""
+    from shardcache.keys import validate_name
     from shardcache.usage import ORIGINS, UsageReader
 
     with friendly_errors():
@@ -40,9 +46,19 @@ def stats(
             require_dataset(index, name)
         usage = UsageReader(index.client, namespace, index.url)
         names = [name] if name else index.datasets()
+        if job is not None:
+            validate_name("--job", job)
+            names = usage.datasets_of_job(names, job)
+            if not names:
+                where = f"dataset {name!r}" if name else "any dataset"
+                err_console.print(
+                    f"[red]error:[/] job {job!r} did not report reading {where}; see "
+                    "`shardcache stats --by-job` for recent jobs."
+                )
+                raise typer.Exit(2)
         served = Table(
             Column("dataset", no_wrap=True),
-            "job" if by_job else "gen",
+            "job" if by_job or job else "gen",
             Column("samples", no_wrap=True),
             Column("hit rate", no_wrap=True),
             Column("by bytes", no_wrap=True),
@@ -57,6 +73,7 @@ def stats(
             collapse_padding=True,
         )
         lost: list[str] = []
+        read: list[str] = []
         store = Table(
             Column("dataset", no_wrap=True),
             "hits",
@@ -74,8 +91,16 @@ def stats(
         for ds in names:
             record, s = index.dataset(ds), index.stats(ds)
             rows = [(str(record.generation if record else "-"), usage.totals(ds))]
-            if by_job:
+            if job is not None:
+                rows = [(job, usage.job_totals(ds, job))]
+            elif by_job:
                 rows = list(usage.jobs(ds).items())
+            if job is not None or by_job:
+                for j, r in usage.job_reads(ds, [j for j, _ in rows]).items():
+                    read.append(
+                        f"{ds} job {j}: listing {r.listing or '-'}, generation "
+                        f"{'-' if r.generation is None else r.generation}"
+                    )
             for label, t in rows:
                 f = t.as_dict()
                 served.add_row(
@@ -109,6 +134,8 @@ def stats(
                 str(s.evictions),
             )
     console.print(served)
+    for line in read:
+        console.print(f"read: {line}", soft_wrap=True)
     for line in lost:
         console.print(f"[yellow]lost:[/] {line}")
     console.print(store)
