@@ -47,6 +47,7 @@ def stats(
             Column("hit rate", no_wrap=True),
             Column("by bytes", no_wrap=True),
             Column("local", no_wrap=True),
+            Column("disk", no_wrap=True),
             Column("peer", no_wrap=True),
             Column("source", no_wrap=True),
             Column("GETs saved", min_width=5),
