@@ -42,10 +42,11 @@ def stats(
         names = [name] if name else index.datasets()
         served = Table(
             Column("dataset", no_wrap=True),
-            "job" if by_job else "gen",
+            Column("job" if by_job else "gen", no_wrap=True),
             Column("samples", no_wrap=True),
-            Column("hit rate", no_wrap=True),
-            Column("by bytes", no_wrap=True),
+            # Headers may wrap: four origins fit 80 columns with the figures whole.
+            Column("hit rate", min_width=6),
+            Column("by bytes", min_width=6),
             Column("local", no_wrap=True),
             Column("disk", no_wrap=True),
             Column("peer", no_wrap=True),
