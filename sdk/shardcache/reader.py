@@ -70,6 +70,7 @@ class ChunkReader:
         self._transient_bytes = 0
         self._origin: dict[int, str] = {}
         self._sourced: dict[int, np.ndarray] = {}  # partial rebuilds' source rows
+        self._disk_sampled: set[int] = set()  # disk-tier files checked this epoch
         self._pending: dict[int, Future[None]] = {}
         self.saw_uncached = False  # the stores could not cache a chunk this generation
         self._background: ThreadPoolExecutor | None = None
@@ -103,6 +104,7 @@ class ChunkReader:
             self._held_bytes = 0
             self._origin.clear()
             self._sourced.clear()
+            self._disk_sampled.clear()
             self._pending.clear()
             self.saw_uncached = False
             self.generation = generation
@@ -121,6 +123,7 @@ class ChunkReader:
                 for c in self._held
             }
             self._sourced.clear()
+            self._disk_sampled.clear()
             self._transient.clear()
             self._transient_bytes = 0
             self.saw_uncached = False
@@ -299,10 +302,23 @@ class ChunkReader:
     def _resolve(self, chunks: list[int], generation: int) -> dict[int, Chunk]:
         items = self.manifest.chunk_items(chunks, self.versions)
         results = self.client.resolve(self.name, generation, items, self.digest)
-        results = check_resolved(
-            self.client, self.name, generation, self.digest, items, results,
+        # A disk-tier file is mapped again on every resolve (it is not held):
+        # sampled once per epoch, as a held chunk is once, since a check
+        # reads the whole file where the batch reads a few rows.
+        fresh = [
+            j
+            for j, (c, (status, _)) in enumerate(zip(chunks, results, strict=True))
+            if status != Status.DISK or c not in self._disk_sampled
+        ]
+        checked = check_resolved(
+            self.client, self.name, generation, self.digest,
+            [items[j] for j in fresh], [results[j] for j in fresh],
             self.verify_reads,
         )  # fmt: skip
+        for j, res in zip(fresh, checked, strict=True):
+            results[j] = res
+            if res[0] == Status.DISK:
+                self._disk_sampled.add(chunks[j])
         if self.client.remote:
             # Bytes streamed from another node and the time spent receiving
             # them: the remote read rate in stats()["served"].
