@@ -122,3 +122,34 @@ def test_a_chunk_file_deleted_after_the_store_named_it_is_asked_for_again(
             assert got == payload[c * PER_CHUNK + row]
     # Rebuilt from the source (their files were gone), once each.
     assert s3.total_gets == len(deleted) * PER_CHUNK
+
+
+def test_a_process_that_cannot_see_the_stores_disk_stops_asking_for_files(
+    larger_than_memory, s3
+):
+    ds, _, payload, store = larger_than_memory
+    reader = ds._session.reader
+    client = reader.client
+    asked = client.get_refs
+    calls = []
+
+    def elsewhere(*args, files=False, **kwargs):
+        # The fault: the store's disk is another container's filesystem,
+        # so the path it names does not exist here.
+        calls.append(files)
+        return [
+            (status, f"/nonexistent-{id(calls)}/{path}")
+            if status == Status.DISK
+            else (status, path)
+            for status, path in asked(*args, files=files, **kwargs)
+        ]
+
+    client.get_refs = elsewhere
+    chunks = list(range(SAMPLES // PER_CHUNK))
+    items = reader.manifest.chunk_items(chunks, reader.versions)
+    for _ in range(2):
+        results = client.resolve(ds._session.spec.name, reader.generation, items)
+        for c, (_, columns) in zip(chunks, results, strict=True):
+            assert bytes(np.asarray(columns["_"][0])) == payload[c * PER_CHUNK]
+    assert calls == [True, False, False]  # asked again once, then never files
+    assert s3.total_gets == 0  # the store reloaded them from its disk

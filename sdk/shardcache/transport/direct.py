@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +23,8 @@ from shardcache.starters import store_starter
 from shardcache.transport.base import Status
 
 __all__ = ["CacheClient", "DatasetSpec"]
+
+log = logging.getLogger(__name__)
 
 STORE_RETRIES = 3  # a restarted store is re-registered and asked again
 
@@ -75,6 +79,7 @@ class CacheClient:
         self._redis_url: str | None = self.config.redis_url
         self._store: Any = None
         self._installed: dict[str, tuple[DatasetSpec, tuple[Any, ...]]] = {}
+        self._maps_files = True  # may be handed disk-tier files (same node)
 
     # -- connections -------------------------------------------------------------
     @property
@@ -192,7 +197,9 @@ class CacheClient:
         import ray
 
         for attempt in range(2):
-            results = self.get_refs(name, generation, items, digest, files=True)
+            results = self.get_refs(
+                name, generation, items, digest, files=self._maps_files
+            )
             values: list[Any] = [None] * len(results)
             gone = []
             for j, (status, path) in enumerate(results):
@@ -201,6 +208,16 @@ class CacheClient:
                     if values[j] is None:
                         gone.append(j)
             if gone:
+                folder = os.path.dirname(results[gone[0]][1])
+                if not os.path.isdir(folder):
+                    # Not a deleted file: this process does not see the store's
+                    # disk (another container's filesystem). Stop asking.
+                    log.warning(
+                        "the store's disk tier %s is not visible from this "
+                        "process; chunks on it are reloaded into memory instead",
+                        folder,
+                    )
+                    self._maps_files = False
                 again = self.get_refs(
                     name, generation, [items[j] for j in gone], digest
                 )
