@@ -5,6 +5,8 @@ rank), with no source GET, every sample right, and the reads counted as
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import ray
@@ -89,37 +91,49 @@ def test_warm_epoch_larger_than_memory_reads_rows_from_the_disk_tier(
     assert stats["misses"] == cold["misses"]
 
 
+def _resolve_all(ds, fault):
+    """Every chunk resolved through the rank's own transport, with ``fault``
+    wrapped around its store call: ``fault(get_refs, *args, **kwargs)``."""
+    reader = ds._session.reader
+    client = reader.client
+    asked = client.get_refs
+    client.get_refs = lambda *args, **kwargs: fault(asked, *args, **kwargs)
+    chunks = list(range(SAMPLES // PER_CHUNK))
+    items = reader.manifest.chunk_items(chunks, reader.versions)
+    try:
+        return client.resolve(ds._session.spec.name, reader.generation, items)
+    finally:
+        client.get_refs = asked
+
+
+def _assert_rows(results, payload):
+    for c, (_, columns) in enumerate(results):
+        for row in range(PER_CHUNK):
+            got = bytes(np.asarray(columns["_"][row]))
+            assert got == payload[c * PER_CHUNK + row]
+
+
 def test_a_chunk_file_deleted_after_the_store_named_it_is_asked_for_again(
     larger_than_memory, s3
 ):
     ds, _, payload, store = larger_than_memory
-    reader = ds._session.reader
-    client = reader.client
-    asked = client.get_refs
     deleted = []
 
-    def delete_after_reply(*args, **kwargs):
+    def delete_after_reply(get_refs, *args, **kwargs):
         # The fault: the disk budget deletes the file between the store's
         # answer and the rank's open (a window too narrow to hit for real).
-        results = asked(*args, **kwargs)
+        results = get_refs(*args, **kwargs)
         for status, path in results:
             if status == Status.DISK:
-                import os
-
                 os.unlink(path)
                 deleted.append(path)
         return results
 
-    client.get_refs = delete_after_reply
-    chunks = list(range(SAMPLES // PER_CHUNK))
-    items = reader.manifest.chunk_items(chunks, reader.versions)
-    results = client.resolve(ds._session.spec.name, reader.generation, items)
-    assert len(deleted) == len(chunks) - ray.get(store.info.remote())["entries"] > 0
+    results = _resolve_all(ds, delete_after_reply)
+    in_memory = ray.get(store.info.remote())["entries"]
+    assert len(deleted) == SAMPLES // PER_CHUNK - in_memory > 0
     assert all(status != Status.DISK for status, _ in results)
-    for c, (_, columns) in zip(chunks, results, strict=True):
-        for row in range(PER_CHUNK):
-            got = bytes(np.asarray(columns["_"][row]))
-            assert got == payload[c * PER_CHUNK + row]
+    _assert_rows(results, payload)
     # Rebuilt from the source (their files were gone), once each.
     assert s3.total_gets == len(deleted) * PER_CHUNK
 
@@ -127,13 +141,10 @@ def test_a_chunk_file_deleted_after_the_store_named_it_is_asked_for_again(
 def test_a_process_that_cannot_see_the_stores_disk_stops_asking_for_files(
     larger_than_memory, s3
 ):
-    ds, _, payload, store = larger_than_memory
-    reader = ds._session.reader
-    client = reader.client
-    asked = client.get_refs
+    ds, _, payload, _ = larger_than_memory
     calls = []
 
-    def elsewhere(*args, files=False, **kwargs):
+    def elsewhere(get_refs, *args, files=False, **kwargs):
         # The fault: the store's disk is another container's filesystem,
         # so the path it names does not exist here.
         calls.append(files)
@@ -141,15 +152,10 @@ def test_a_process_that_cannot_see_the_stores_disk_stops_asking_for_files(
             (status, f"/nonexistent-{id(calls)}/{path}")
             if status == Status.DISK
             else (status, path)
-            for status, path in asked(*args, files=files, **kwargs)
+            for status, path in get_refs(*args, files=files, **kwargs)
         ]
 
-    client.get_refs = elsewhere
-    chunks = list(range(SAMPLES // PER_CHUNK))
-    items = reader.manifest.chunk_items(chunks, reader.versions)
     for _ in range(2):
-        results = client.resolve(ds._session.spec.name, reader.generation, items)
-        for c, (_, columns) in zip(chunks, results, strict=True):
-            assert bytes(np.asarray(columns["_"][0])) == payload[c * PER_CHUNK]
+        _assert_rows(_resolve_all(ds, elsewhere), payload)
     assert calls == [True, False, False]  # asked again once, then never files
     assert s3.total_gets == 0  # the store reloaded them from its disk
