@@ -30,6 +30,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -202,6 +203,7 @@ def main() -> None:
     _timed(plain)  # its first epoch
     out["plain_dataloader_2_workers"] = _timed(plain)
     del plain
+    shutil.rmtree(tmp, ignore_errors=True)  # the data, the disk tier, Redis
     print(json.dumps(out, indent=1))
 
 
