@@ -25,6 +25,7 @@ from shardcache.checksum import check_resolved
 from shardcache.chunks import PLAIN_FIELD, Chunk, batch_shape, gather
 from shardcache.manifest import Manifest
 from shardcache.transport.base import Status, Transport
+from shardcache.usage.totals import ORIGINS  # where a delivered sample came from
 
 __all__ = ["ChunkReader"]
 
@@ -33,7 +34,6 @@ PREFETCH_DEPTH = 4  # store calls in flight per rank
 TRANSIENT_KEPT = (
     32  # chunks not held (store did not cache them) kept for the next batches
 )
-ORIGINS = ("local", "peer", "source")  # where a delivered sample came from
 
 
 class ChunkReader:
@@ -66,10 +66,11 @@ class ChunkReader:
         self._lock = threading.Lock()
         self._held: dict[int, Chunk] = {}
         self._held_bytes = 0
-        self._transient: OrderedDict[int, Chunk] = OrderedDict()
+        self._transient: OrderedDict[int, tuple[Chunk, int]] = OrderedDict()
         self._transient_bytes = 0
         self._origin: dict[int, str] = {}
         self._sourced: dict[int, np.ndarray] = {}  # partial rebuilds' source rows
+        self._disk_sampled: set[int] = set()  # disk-tier files checked this epoch
         self._pending: dict[int, Future[None]] = {}
         self.saw_uncached = False  # the stores could not cache a chunk this generation
         self._background: ThreadPoolExecutor | None = None
@@ -90,7 +91,7 @@ class ChunkReader:
                     self._held_bytes -= chunk.nbytes
                 dropped = self._transient.pop(int(c), None)
                 if dropped is not None:
-                    self._transient_bytes -= dropped.nbytes
+                    self._transient_bytes -= dropped[1]
 
     def use_generation(self, generation: int) -> None:
         """Switch to ``generation``; what was held belongs to the old one."""
@@ -103,6 +104,7 @@ class ChunkReader:
             self._held_bytes = 0
             self._origin.clear()
             self._sourced.clear()
+            self._disk_sampled.clear()
             self._pending.clear()
             self.saw_uncached = False
             self.generation = generation
@@ -115,8 +117,13 @@ class ChunkReader:
         eviction policy, not this process, decides what stays.
         """
         with self._lock:
-            self._origin = {c: "local" for c in self._held}
+            # A held chunk mapped from the disk tier is still read from there.
+            self._origin = {
+                c: "disk" if self._origin.get(c) == "disk" else "local"
+                for c in self._held
+            }
             self._sourced.clear()
+            self._disk_sampled.clear()
             self._transient.clear()
             self._transient_bytes = 0
             self.saw_uncached = False
@@ -133,7 +140,7 @@ class ChunkReader:
         found: dict[int, Chunk] = {}
         missing = []
         for c in wanted:
-            chunk = self._held.get(c) or self._transient.get(c)
+            chunk = self._kept(c)
             if chunk is None:
                 missing.append(c)
             else:
@@ -142,13 +149,18 @@ class ChunkReader:
             fut = self._pending.get(c)
             if fut is not None:
                 fut.result(timeout=self.timeout_s)  # never raises: see _prefetch_group
-                chunk = self._held.get(c) or self._transient.get(c)
+                chunk = self._kept(c)
                 if chunk is not None:
                     found[c] = chunk
                     missing.remove(c)
         if missing:
             found.update(self._resolve(missing, self.generation))
         return found
+
+    def _kept(self, c: int) -> Chunk | None:
+        """Chunk ``c`` if held or kept for the coming batches."""
+        kept = self._transient.get(c)
+        return self._held.get(c) or (kept[0] if kept is not None else None)
 
     def count(self, chunk_ids: np.ndarray, indices: np.ndarray) -> dict[str, int]:
         """Count one batch's samples by where their chunk came from (per chunk);
@@ -290,10 +302,23 @@ class ChunkReader:
     def _resolve(self, chunks: list[int], generation: int) -> dict[int, Chunk]:
         items = self.manifest.chunk_items(chunks, self.versions)
         results = self.client.resolve(self.name, generation, items, self.digest)
-        results = check_resolved(
-            self.client, self.name, generation, self.digest, items, results,
+        # A disk-tier file is mapped again on every resolve (it is not held):
+        # sampled once per epoch, as a held chunk is once, since a check
+        # reads the whole file where the batch reads a few rows.
+        fresh = [
+            j
+            for j, (c, (status, _)) in enumerate(zip(chunks, results, strict=True))
+            if status != Status.DISK or c not in self._disk_sampled
+        ]
+        checked = check_resolved(
+            self.client, self.name, generation, self.digest,
+            [items[j] for j in fresh], [results[j] for j in fresh],
             self.verify_reads,
         )  # fmt: skip
+        for j, res in zip(fresh, checked, strict=True):
+            results[j] = res
+            if res[0] == Status.DISK:
+                self._disk_sampled.add(chunks[j])
         if self.client.remote:
             # Bytes streamed from another node and the time spent receiving
             # them: the remote read rate in stats()["served"].
@@ -327,23 +352,29 @@ class ChunkReader:
                     # this process's hold budget is spent): kept for the next
                     # few batches only, so the store's policy stays in charge.
                     self.saw_uncached = self.saw_uncached or status == Status.UNCACHED
-                    self._keep_transient(c, chunk)
+                    # A mapped disk-tier file costs no memory of this process's
+                    # own (clean page-cache pages the kernel may reclaim): kept
+                    # by count only, so hold_bytes=0 still reuses it.
+                    self._keep_transient(
+                        c, chunk, 0 if status == Status.DISK else chunk.nbytes
+                    )
         return out
 
-    def _keep_transient(self, c: int, chunk: Chunk) -> None:
+    def _keep_transient(self, c: int, chunk: Chunk, nbytes: int) -> None:
         """Keep a chunk for the next few batches, within the hold budget
-        (``hold_bytes=0`` keeps none: every batch then asks the store)."""
+        (``hold_bytes=0`` keeps none: every batch then asks the store);
+        ``nbytes`` is what it counts against that budget."""
         old = self._transient.pop(c, None)
         if old is not None:
-            self._transient_bytes -= old.nbytes
-        self._transient[c] = chunk
-        self._transient_bytes += chunk.nbytes
+            self._transient_bytes -= old[1]
+        self._transient[c] = (chunk, nbytes)
+        self._transient_bytes += nbytes
         while self._transient and (
             len(self._transient) > TRANSIENT_KEPT
             or self._transient_bytes > self.hold_bytes
         ):
-            _, dropped = self._transient.popitem(last=False)
-            self._transient_bytes -= dropped.nbytes
+            _, (_, dropped) = self._transient.popitem(last=False)
+            self._transient_bytes -= dropped
 
     def prefetch(self, upcoming: np.ndarray) -> None:
         """Resolve the chunks of ``upcoming`` sample indices in the background,

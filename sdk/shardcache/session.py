@@ -322,12 +322,10 @@ class RankSession:
             ) from exc
 
     def _account(self, delta: dict[str, int], n: int, waited: float) -> None:
-        self.counts["hits"] += delta["local"] + delta["peer"]
+        self.counts["hits"] += sum(delta[o] for o in ORIGINS if o != "source")
         self.counts["misses"] += delta["source"]
         self.counts["remote_reads"] += delta["source"]
-        self.counts["bytes"] += (
-            delta["local_bytes"] + delta["peer_bytes"] + delta["source_bytes"]
-        )
+        self.counts["bytes"] += sum(delta[f"{o}_bytes"] for o in ORIGINS)
         self.waits.record(waited)
         for origin in ORIGINS:
             if delta[origin]:

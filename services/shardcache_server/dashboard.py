@@ -25,7 +25,7 @@ from starlette.routing import Route
 from shardcache import keys
 from shardcache.errors import ConfigError, IndexUnavailable
 from shardcache.index import RedisIndex
-from shardcache.usage import UsageReader, UsageTotals
+from shardcache.usage import ORIGINS, UsageReader, UsageTotals
 from shardcache_server.charts import line_chart_svg
 from shardcache_server.metrics import RedisCollector
 from shardcache_server.overview import dataset_overview, node_rows, rank_rows
@@ -45,7 +45,7 @@ def _point(t: int, u: UsageTotals) -> dict[str, Any]:
         "byte_hit_rate": u.byte_hit_rate,
         **{
             f"samples_{o}": getattr(u, f"samples_{o}")
-            for o in ("local", "peer", "source")
+            for o in ORIGINS
         },
         "blocked_s": u.blocked_s,
     }

@@ -27,7 +27,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "shardcache_samples_total": (
         "counter",
         ("dataset", "origin"),
-        "samples delivered to ranks, by origin (local node, peer store, source)",
+        "samples delivered to ranks, by origin (local node, local disk tier, peer store, source)",
     ),
     "shardcache_sample_bytes_total": (
         "counter",

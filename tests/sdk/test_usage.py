@@ -56,7 +56,7 @@ def restartable(tmp_path: Path) -> Iterator[_Restartable]:
 
 def test_usage_reporter_unknown_origin_is_config_error_listing_choices():
     reporter = UsageReporter(lambda: None, "default", "images", "job1", 0)
-    with pytest.raises(ConfigError, match="'local', 'peer', 'source'"):
+    with pytest.raises(ConfigError, match="'local', 'disk', 'peer', 'source'"):
         reporter.served("store", 1, 1)
     with pytest.raises(ConfigError, match="job"):
         UsageReporter(lambda: None, "default", "images", "a/b", 0)

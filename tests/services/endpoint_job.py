@@ -52,7 +52,7 @@ def _epoch(ds, epoch: int, changed_url: str | None) -> dict:
             # a copy of its own (never a view a write could go through).
             reader = ds._session.reader
             c = int(reader.layout.chunk_of(np.array([i]))[0])
-            chunk = reader._held.get(c) or reader._transient.get(c)
+            chunk = reader._kept(c)
             perms, path = "", ""
             if chunk is not None:  # SHARDCACHE_HOLD_BYTES=0 keeps none
                 view = chunk.field("_", i - int(reader.layout.starts[c]))

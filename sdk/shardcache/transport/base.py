@@ -35,6 +35,8 @@ class Status(enum.StrEnum):
 
     >>> Status("remote-hit").origin, Status.UNCACHED.origin, Status.HIT == "hit"
     ('peer', 'source', True)
+    >>> Status.DISK.origin
+    'disk'
     """
 
     HIT = "hit"  # held by the store that answered
@@ -43,13 +45,20 @@ class Status(enum.StrEnum):
     UNCACHED = "uncached"  # read from the source, not held (the policy said no)
     UNINSTALLED = "uninstalled"  # the store lost the dataset's install (restarted)
     ERROR = "error"  # the item failed: the result carries (error type, message)
+    # On this node's disk tier, not in memory: the result carries the chunk
+    # file's path (its header checked by the store) for the rank to map
+    # read-only, so only the pages of the rows it gathers are read. Only
+    # sent to a caller on the store's node that asked for files.
+    DISK = "disk"
 
     @property
     def origin(self) -> str:
         """Where a delivered sample came from, as the usage figures count it:
-        ``local``, ``peer`` or ``source`` (``shardcache.usage.ORIGINS``)."""
+        ``local``, ``disk``, ``peer`` or ``source`` (``shardcache.usage.ORIGINS``)."""
         if self in (Status.FETCHED, Status.UNCACHED):
             return "source"
+        if self is Status.DISK:
+            return "disk"
         return "peer" if self is Status.REMOTE_HIT else "local"
 
 

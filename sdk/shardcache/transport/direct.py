@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from shardcache import errors
+from shardcache.chunk_file import read_chunk_file
 from shardcache.config import ClientConfig
-from shardcache.errors import ConfigError, ShardCacheError, ShardUnavailable
+from shardcache.errors import (
+    ChunkFileError,
+    ConfigError,
+    ShardCacheError,
+    ShardUnavailable,
+)
 from shardcache.index import RedisIndex
 from shardcache.manifest import Manifest
 from shardcache.starters import store_starter
@@ -16,11 +24,27 @@ from shardcache.transport.base import Status
 
 __all__ = ["CacheClient", "DatasetSpec"]
 
+log = logging.getLogger(__name__)
+
 STORE_RETRIES = 3  # a restarted store is re-registered and asked again
 
 # name, urls, protocol, storage_options, fingerprint, generation, manifest digest,
 # chunk_bytes, chunk_samples
 DatasetSpec = dict[str, Any]
+
+
+def _map_chunk_file(path: str, item: tuple[str, str, int]) -> Any:
+    """The columns of a disk-tier chunk file, mapped read-only, or ``None``
+    if it is gone or no longer holds that chunk version (replaced since the
+    store checked it)."""
+    try:
+        columns, meta = read_chunk_file(path)
+    except ChunkFileError:
+        return None
+    chunk, version, _ = item
+    if meta.get("chunk") != chunk or meta.get("version") != version:
+        return None
+    return columns
 
 
 def _pickle_main_by_value(fn: Callable[..., Any]) -> None:
@@ -55,6 +79,7 @@ class CacheClient:
         self._redis_url: str | None = self.config.redis_url
         self._store: Any = None
         self._installed: dict[str, tuple[DatasetSpec, tuple[Any, ...]]] = {}
+        self._maps_files = True  # may be handed disk-tier files (same node)
 
     # -- connections -------------------------------------------------------------
     @property
@@ -160,7 +185,11 @@ class CacheClient:
         digest: str | None = None,
     ) -> list[tuple[str, Any]]:
         """``(status, columns)`` per chunk: :meth:`get_refs` then one ``ray.get``
-        (zero-copy views of this node's object store).
+        (zero-copy views of this node's object store). A chunk the store
+        answers with its disk-tier file (``Status.DISK``) is mapped here
+        read-only, so only the pages of the rows gathered are read; a file
+        gone before it is opened (the disk budget deleted it) is asked for
+        once more without files, and the store reloads or rebuilds it.
 
         Raises:
             the errors of :meth:`get_refs`; ``ray.exceptions.GetTimeoutError``.
@@ -168,10 +197,36 @@ class CacheClient:
         import ray
 
         for attempt in range(2):
-            results = self.get_refs(name, generation, items, digest)
+            results = self.get_refs(
+                name, generation, items, digest, files=self._maps_files
+            )
+            values: list[Any] = [None] * len(results)
+            gone = []
+            for j, (status, path) in enumerate(results):
+                if status == Status.DISK:
+                    values[j] = _map_chunk_file(path, items[j])
+                    if values[j] is None:
+                        gone.append(j)
+            if gone:
+                folder = os.path.dirname(results[gone[0]][1])
+                if not os.path.isdir(folder):
+                    # Not a deleted file: this process does not see the store's
+                    # disk (another container's filesystem). Stop asking.
+                    log.warning(
+                        "the store's disk tier %s is not visible from this "
+                        "process; chunks on it are reloaded into memory instead",
+                        folder,
+                    )
+                    self._maps_files = False
+                again = self.get_refs(
+                    name, generation, [items[j] for j in gone], digest
+                )
+                for j, res in zip(gone, again, strict=True):
+                    results[j] = res
+            refs = [j for j, (status, _) in enumerate(results) if status != Status.DISK]
             try:
-                values = ray.get(
-                    [ref for _, ref in results], timeout=self.config.request_timeout_s
+                got = ray.get(
+                    [results[j][1] for j in refs], timeout=self.config.request_timeout_s
                 )
                 break
             except ray.exceptions.ObjectLostError:
@@ -180,6 +235,8 @@ class CacheClient:
                 # this batch; the client reaches the store's successor.
                 if attempt == 1:
                     raise
+        for j, value in zip(refs, got, strict=True):
+            values[j] = value
         return [
             (status, value) for (status, _), value in zip(results, values, strict=True)
         ]
@@ -238,11 +295,15 @@ class CacheClient:
         generation: int,
         items: Sequence[tuple[str, str, int]],
         digest: str | None = None,
+        *,
+        files: bool = False,
     ) -> list[tuple[str, Any]]:
         """One store call for many chunks: ``(status, ObjectRef)`` per item.
 
         ``items`` are ``(chunk key, chunk version, source bytes)``; ``digest``
-        names the listing their versions come from.
+        names the listing their versions come from. ``files``: this process
+        maps chunk files, so a chunk only on the node's disk tier may come
+        back as ``(Status.DISK, path)`` instead of a reference.
 
         Raises:
             StaleVersionError: ``generation`` was invalidated meanwhile.
@@ -256,7 +317,7 @@ class CacheClient:
             results = self._call(
                 lambda: ray.get(
                     self._store.get.remote(
-                        name, generation, list(items), digest=digest
+                        name, generation, list(items), digest=digest, files=files
                     ),
                     timeout=self.config.request_timeout_s,
                 )

@@ -3,6 +3,8 @@
 Origins, split as Fluid defines them for Alluxio:
 
 * ``local``: from the rank's own node (views the rank holds, or its node's store)
+* ``disk``: from its node's disk tier (the rank mapped the chunk file and read
+  only the rows it needed; the chunk was not in memory)
 * ``peer``: from another node's store
 * ``source``: read from the origin (S3, GCS, ...): one GET
 
@@ -18,7 +20,7 @@ from typing import Any
 
 __all__ = ["ORIGIN_FIELDS", "ORIGINS", "WAIT_EPOCH_FIELD", "RankUsage", "UsageTotals"]
 
-ORIGINS = ("local", "peer", "source")
+ORIGINS = ("local", "disk", "peer", "source")
 ORIGIN_FIELDS = {o: (f"samples_{o}", f"bytes_{o}") for o in ORIGINS}
 WAIT_EPOCH_FIELD = "wait_us:e"  # per-epoch blocked time lives in the rank hash only
 
@@ -33,9 +35,11 @@ class UsageTotals:
     """
 
     samples_local: int = 0
+    samples_disk: int = 0
     samples_peer: int = 0
     samples_source: int = 0
     bytes_local: int = 0
+    bytes_disk: int = 0
     bytes_peer: int = 0
     bytes_source: int = 0
     wait_us: int = 0
@@ -50,11 +54,11 @@ class UsageTotals:
 
     @property
     def samples(self) -> int:
-        return self.samples_local + self.samples_peer + self.samples_source
+        return sum(getattr(self, f"samples_{o}") for o in ORIGINS)
 
     @property
     def nbytes(self) -> int:
-        return self.bytes_local + self.bytes_peer + self.bytes_source
+        return sum(getattr(self, f"bytes_{o}") for o in ORIGINS)
 
     @property
     def source_reads(self) -> int:

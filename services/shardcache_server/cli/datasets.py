@@ -58,11 +58,13 @@ def stats(
                 raise typer.Exit(2)
         served = Table(
             Column("dataset", no_wrap=True),
-            "job" if by_job or job else "gen",
+            Column("job" if by_job or job else "gen", no_wrap=True),
             Column("samples", no_wrap=True),
-            Column("hit rate", no_wrap=True),
-            Column("by bytes", no_wrap=True),
+            # Headers may wrap: four origins fit 80 columns with the figures whole.
+            Column("hit rate", min_width=6),
+            Column("by bytes", min_width=6),
             Column("local", no_wrap=True),
+            Column("disk", no_wrap=True),
             Column("peer", no_wrap=True),
             Column("source", no_wrap=True),
             Column("GETs saved", min_width=5),

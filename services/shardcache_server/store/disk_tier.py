@@ -4,7 +4,8 @@ Every chunk the store caches is also written here (a chunk file, in the
 background, once), so the tier is inclusive: when the eviction policy drops
 a chunk from memory its file stays, and the next request for it maps the
 file and puts it back into the object store instead of reading the source.
-A store restarted on the same host (a process crash, a rolled DaemonSet pod
+A local rank asking for a chunk that is only here is handed the file's path
+instead (``Status.DISK``; see ``Spill.files``), and maps it itself. A store restarted on the same host (a process crash, a rolled DaemonSet pod
 with a new Ray node id) finds the files again: each one names its dataset,
 chunk key, chunk version, generation and preprocess fingerprint in its
 header (``sdk/shardcache/chunk_file.py``), and is served only if those match
@@ -154,6 +155,18 @@ class DiskTier:
                 self._files[(dataset, chunk)] = size
                 self.used_bytes += size
         return columns
+
+    def check(
+        self, dataset: str, chunk: str, expect: dict[str, Any]
+    ) -> tuple[str, int] | None:
+        """``(path, column bytes)`` of the chunk's file if its header matches
+        ``expect``, else ``None`` (as :meth:`read`). Only the header's pages
+        are read: a rank maps the file itself and reads the rows it gathers."""
+        columns = self.read(dataset, chunk, expect)
+        if columns is None:
+            return None
+        nbytes = int(sum(v.nbytes for v in columns.values()))
+        return str(self.path(dataset, chunk)), nbytes
 
     def chunks(self, dataset: str) -> list[str]:
         """The chunk keys of ``dataset`` that have a file here."""

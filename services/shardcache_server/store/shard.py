@@ -248,6 +248,7 @@ class CacheShard:
         *,
         forwarded: bool = False,
         digest: str | None = None,
+        files: bool = False,
     ) -> list[Result]:
         """Return a chunk reference (or an error record) for every item, in order.
 
@@ -255,6 +256,15 @@ class CacheShard:
         store builds the chunks it owns and asks the owner store for the
         rest, so each object is read from the source once per cluster.
         ``digest`` names the listing the caller's chunk versions come from.
+
+        ``files``: the caller runs on this node and can map chunk files. A
+        chunk not in memory whose file on this node's disk tier matches is
+        then answered ``(Status.DISK, path)`` instead of being reloaded whole
+        into the object store, unless it fits the memory budget's free room
+        (used + retired + chunk <= budget): then it is re-admitted (nothing
+        is evicted for it), so a dataset that fits in memory ends up there,
+        while one larger than the budget is read row by row from its files
+        and never churns the object store.
         """
         self._ensure_started()
         ds = self._datasets.get(dataset)
@@ -296,6 +306,8 @@ class CacheShard:
             if not forwarded:
                 self._stats.add(counts, "hits")
                 self._stats.add(counts, "bytes_served", cached.nbytes)
+        if missed and files and not forwarded and self._spill is not None:
+            missed = await self._serve_files(ds, generation, items, missed, results)
         if missed:
             found = await self._misses.get(
                 ds, generation, [items[i] for i in missed], forwarded=forwarded
@@ -307,6 +319,36 @@ class CacheShard:
                         counts, "hits" if res[0] == Status.REMOTE_HIT else "misses"
                     )
         return [r for r in results if r is not None]
+
+    async def _serve_files(
+        self,
+        ds: Dataset,
+        generation: int,
+        items: list[Item],
+        missed: list[int],
+        results: list[Result | None],
+    ) -> list[int]:
+        """Answer missed items with their disk-tier file where that is the
+        better choice (see :meth:`get`); returns the items still missed."""
+        assert self._spill is not None
+        if generation != self._table.generation[ds.name]:
+            return missed
+        found = await self._spill.files(ds, generation, [items[i] for i in missed])
+        policy, retired = self._table.policy, self._table.retired
+        counts = (ds.name, generation)
+        rest = []
+        for i, file in zip(missed, found, strict=True):
+            if file is None:
+                rest.append(i)
+                continue
+            path, nbytes = file
+            if policy.used_bytes + retired.nbytes + nbytes <= policy.budget_bytes:
+                rest.append(i)  # room to spare: back into memory (miss path)
+                continue
+            results[i] = (Status.DISK, path)
+            self._stats.add(counts, "hits")
+            self._stats.add(counts, "disk_files")
+        return rest
 
     async def drop(self, dataset: str, urls: list[str] | None = None) -> int:
         """Forget cached values of a dataset (all, or only ``urls``)."""

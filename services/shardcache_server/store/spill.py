@@ -4,6 +4,8 @@ Ownership rule: spill owns this node's chunk files and the writes in
 flight; it writes a file for each chunk the table admits, in the
 background, and ``load`` maps a file back if its header matches. It never
 admits or settles: ``load`` returns the value and the miss path decides.
+``files`` checks the headers of files a local rank may map itself (the
+store decides, in ``shard.py``, whether to hand over the file or reload it).
 """
 
 from __future__ import annotations
@@ -83,6 +85,38 @@ class Spill:
     def has(self, dataset: str, chunk: str) -> bool:
         """The chunk has a file, or one being written."""
         return (dataset, chunk) in self._writes or self.disk.has(dataset, chunk)
+
+    async def files(
+        self, ds: Dataset, generation: int, items: list[Item]
+    ) -> list[tuple[str, int] | None]:
+        """``(path, column bytes)`` per item whose file is written and matches
+        the version, generation and preprocess asked for, else ``None`` (no
+        file, one still being written, or one that does not match, which is
+        deleted). Headers only: no column page is read here, and no checksum
+        (a rank's ``verify_reads`` samples check what it maps)."""
+        wanted = [
+            (i, chunk, version)
+            for i, (chunk, version, _) in enumerate(items)
+            if (ds.name, chunk) not in self._writes and self.disk.has(ds.name, chunk)
+        ]
+        out: list[tuple[str, int] | None] = [None] * len(items)
+        if not wanted:
+            return out
+
+        def check() -> None:
+            for i, chunk, version in wanted:
+                out[i] = self.disk.check(
+                    ds.name,
+                    chunk,
+                    {
+                        "version": version,
+                        "generation": generation,
+                        "fingerprint": ds.fingerprint,
+                    },
+                )
+
+        await asyncio.to_thread(check)
+        return out
 
     async def load(self, ds: Dataset, generation: int, item: Item) -> Cached | None:
         """The chunk from its file, put into the object store, if the file
