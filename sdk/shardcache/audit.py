@@ -95,6 +95,7 @@ class DeliveryAudit:
         Traceback (most recent call last):
         ...
         shardcache.errors.ShardedTwiceError: ...
+        >>> DeliveryAudit().check(np.arange(20), np.arange(0, 10), 2, yielded=20)  # drained
         """
         if self._checked >= AUDIT_BATCHES or world_size < 2 or len(idx) < 2:
             return
@@ -113,7 +114,10 @@ class DeliveryAudit:
             # k-th of the N batches (or slices) read, N batches ahead.
             ahead = yielded - self._start  # samples the sampler dealt this pass
             offset = pos - self._start  # where this batch starts in the pass
-            if ahead == world_size * n and offset in range(0, ahead, n):
+            # A sampler drained to its end (``list(ds.sampler)`` first, or a
+            # pass of exactly N batches) tells nothing: the rule needs one.
+            drained = yielded >= len(order)
+            if not drained and ahead == world_size * n and offset in range(0, ahead, n):
                 raise _split_again(world_size)
         last, self._last = self._last, (pos, n)
         if last is not None and pos - last[0] == world_size * num_workers * last[1]:
