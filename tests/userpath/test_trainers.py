@@ -93,7 +93,11 @@ def check_counts(reports: list[dict]) -> None:
     for r in reports:
         assert r["hits"] + r["misses"] == EPOCHS * per_rank, r["rank"]
         assert r["hits"] >= (EPOCHS - 1) * per_rank, (r["rank"], r["hits"])
-        assert 0 < r["misses"] <= per_rank, (r["rank"], r["misses"])
+        assert r["misses"] <= per_rank, (r["rank"], r["misses"])
+    # The job read the source in epoch 0. Per rank it can show 0 misses: a
+    # chunk its look-ahead fetched before a trainer's repeated set_epoch(0)
+    # counts as a local hit (seen once under heavy load with HF's Trainer).
+    assert sum(r["misses"] for r in reports) > 0, reports
 
 
 def test_trainers_torchrun_and_accelerate_deliver_every_sample_once(user):
@@ -179,5 +183,8 @@ def test_trainers_hugging_face_trainer_reads_each_ranks_shard(user):
 def test_trainers_ray_train_delivers_every_sample_once(user):
     base = 7000
     env, out = make_data(user, "raytrain", base)
-    proc = user.python(str(script(user, "ray_train.py", snippet("Ray Train"))), env=env)
+    # Ray Train starts a Ray head and its workers: more than a torchrun script.
+    proc = user.python(
+        str(script(user, "ray_train.py", snippet("Ray Train"))), env=env, timeout=480
+    )
     check_counts(check_run(proc, out, base))
