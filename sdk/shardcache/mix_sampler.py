@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from torch.utils.data import DistributedSampler, Sampler
+from torch.utils.data import DistributedSampler
 
+from shardcache.batches import ShardBatchSampler
 from shardcache.errors import ConfigError
 from shardcache.mix_order import (
     MixOrder,
@@ -26,13 +27,11 @@ from shardcache.mix_order import (
     normalise_weights,
 )
 from shardcache.mix_progress import Progress, deal, deal_lengths
-from shardcache.sampler import batch_bounds
 from shardcache.sharding import validate_world
 from shardcache.world import LazyWorld
 
 __all__ = [
     "MIX_STATE_VERSION",
-    "MixtureBatchSampler",
     "MixtureSampler",
     "merge_mix_states",
 ]
@@ -210,21 +209,28 @@ class MixtureSampler(DistributedSampler[int]):
         self._check_world()
         return self._iterate()
 
+    def _begin_pass(self) -> int:
+        """Start an iteration: take the resume's skip (once); returns it. What
+        ``ShardBatchSampler`` calls, as on a ``ShardSampler``."""
+        self._check_world()
+        start = self.take_skip()
+        self._yielded = start
+        return start
+
     def _iterate(self) -> Iterator[int]:
         # A generator, so a loader's restore that makes and drops an
         # iterator does not consume the resume.
-        start = self.take_skip()
-        self._yielded = start
+        start = self._begin_pass()
         for i in self.order()[start:].tolist():
             self._yielded += 1
             yield i
 
     def batches(
         self, batch_size: int | None = None, drop_last: bool = False
-    ) -> MixtureBatchSampler:
+    ) -> ShardBatchSampler:
         """Batches with the same step count on every rank (``batch_size``
         defaults to the block), for ``DataLoader(batch_sampler=...)``."""
-        return MixtureBatchSampler(self, batch_size or self.block, drop_last)
+        return ShardBatchSampler(self, batch_size or self.block, drop_last)
 
     # -- state ------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -355,42 +361,3 @@ def merge_mix_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     merged = {k: v for k, v in first.items() if k not in _PER_WORLD}
     merged.update(start=progress.start, skipped=list(progress.skipped), merged=True)
     return merged
-
-
-class MixtureBatchSampler(Sampler[list[int]]):
-    """A rank's batches of the current epoch, every rank the same step count
-    (:func:`~shardcache.sampler.batch_bounds`); stateful like its sampler."""
-
-    def __init__(
-        self, sampler: MixtureSampler, batch_size: int, drop_last: bool = False
-    ):
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ConfigError(
-                f"batch_size must be an integer >= 1, got {batch_size!r}."
-            )
-        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
-
-    def _bounds(self, start: int) -> list[tuple[int, int]]:
-        s = self.sampler
-        # Ranks move in lockstep, so every rank skipped ``start`` samples too.
-        shortest = max(min(s.lengths()) - start, 0)
-        return batch_bounds(len(s) - start, shortest, self.batch_size, self.drop_last)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        s = self.sampler
-        s._check_world()
-        start = s.take_skip()
-        s._yielded = start
-        order = s.order()
-        for lo, hi in self._bounds(start):
-            s._yielded = start + hi
-            yield order[start + lo : start + hi].tolist()
-
-    def __len__(self) -> int:
-        return len(self._bounds(self.sampler.pending_skip))
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.sampler.load_state_dict(state)
