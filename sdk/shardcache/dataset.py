@@ -10,8 +10,7 @@ process: DataLoader workers make their own).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from functools import partial
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,14 +21,13 @@ from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
 from shardcache.decoders import as_arrays
 from shardcache.errors import ConfigError
 from shardcache.fingerprint import fingerprint as object_fingerprint
-from shardcache.generations import Generations, layout_digest, open_listing
+from shardcache.generations import Generations, open_listing
 from shardcache.job import resolve_job
 from shardcache.loader import BatchLoader
-from shardcache.manifest import Manifest
-from shardcache.resume import apply_state, current_node, gather_states, merge_states
-from shardcache.resume.apply import check_on_change
+from shardcache.resume import gather_states, merge_states
 from shardcache.sampler import ShardSampler
-from shardcache.session import RankSession, open_for_this_process
+from shardcache.session import open_for_this_process
+from shardcache.slot import SessionSlot
 from shardcache.spec import DatasetSpec, check_source_dataset
 from shardcache.world import World
 
@@ -38,19 +36,6 @@ __all__ = ["DistributedCachedDataset"]
 log = logging.getLogger("shardcache")
 
 DEFAULT_DATASET_CHUNK_SAMPLES = 256  # from_dataset: sample sizes are unknown at listing
-
-
-def _provisional_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """The rank and world as far as known now, without raising: the sampler
-    resolves (and validates) them at first use."""
-    try:
-        world = World.detect()
-    except ConfigError:
-        world = World()
-    return (
-        world.rank if rank is None else rank,
-        world.world_size if world_size is None else world_size,
-    )
 
 
 class DistributedCachedDataset(Dataset[Any]):
@@ -217,10 +202,6 @@ class DistributedCachedDataset(Dataset[Any]):
             prefetch_batches=prefetch_batches,
             allow_remote=allow_remote,
         )
-        # Provisional until the sampler reads the world at first use (a
-        # dataset may be built before the launcher or process group has
-        # said where this process is); _use_world brings the final one.
-        self.rank, self.world_size = _provisional_world(rank, world_size)
         self._job = resolve_job(job)
         client = open_for_this_process(
             spec.config, ships_objects=source_dataset is not None
@@ -236,13 +217,16 @@ class DistributedCachedDataset(Dataset[Any]):
             drop_last=drop_last,
             shuffle_block=shuffle_block or 0,
         )
-        self._epoch_started: int | None = None
         # Set by a resume that crossed a source change (on_change="new_listing").
         self._resumed_across: dict[str, Any] | None = None
-        self._sampler.bind(self._start_epoch, self._use_world)
         self._generations = Generations(self.spec, digest)
         self._generations.register(client.index, manifest)
-        self._session = self._new_session(client, manifest)
+        # The rank is provisional until the sampler reads the world at first
+        # use (a dataset may be built before the launcher or process group
+        # has said where this process is); the slot follows the final one.
+        world = World.provisional(rank, world_size)
+        parts = (self.spec, self._job, self._sampler, self._generations, world)
+        self._slot = SessionSlot(*parts, client, manifest)
 
     @classmethod
     def from_dataset(
@@ -301,48 +285,24 @@ class DistributedCachedDataset(Dataset[Any]):
     # What this process delivered, by origin; flushed to Redis off the loop.
     usage_reporter = property(lambda self: self._session.usage)
 
-    # -- this process ------------------------------------------------------------------
-    def _new_session(self, client: Any, manifest: Manifest | None) -> RankSession:
-        parts = (self.spec, self._job, self.rank, self._sampler, self._generations)
-        return RankSession(*parts, client, manifest)
+    # -- this process: its session lives in the slot ----------------------------------
+    rank = property(lambda self: self._slot.rank)
+    world_size = property(lambda self: self._slot.world_size)
+    # The session of the process that holds this object (it may be stale in
+    # a forked worker before its first batch; _here() renews it).
+    _session = property(lambda self: self._slot.session)
 
-    def _here(self) -> RankSession:
-        """This process's session, with the rank known: a forked DataLoader
-        worker starts its own (keeping the listing it inherited mapped)."""
-        self._sampler.rank  # noqa: B018 (resolves the world: _use_world may renew)
-        if not self._session.is_current:
-            client = open_for_this_process(self.spec.config, forked=True)
-            self._session = self._new_session(client, self._session.manifest)
-        return self._session
+    def _here(self) -> Any:
+        return self._slot.here()  # this process's session, renewed if stale
 
     def __getstate__(self) -> dict[str, Any]:
-        # DataLoader workers get the small description: never the mapped
-        # manifest, chunks or threads. Each worker maps them again by digest.
         try:
             # Workers must deal this rank's shard, not guess the world on
             # their own (no process group there); unknowable yet is fine.
             self._sampler.rank  # noqa: B018 (resolves the world)
         except ConfigError:
             pass
-        state = self.__dict__.copy()
-        state.pop("_session", None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._sampler.bind(self._start_epoch, self._use_world)
-        self._session = self._new_session(open_for_this_process(self.spec.config), None)
-
-    def _use_world(self, world: World) -> None:
-        # The sampler read the world (at first use): rank-keyed reporting
-        # follows it. Only ever before this process's first batch.
-        if (world.rank, world.world_size) == (self.rank, self.world_size):
-            return
-        self.rank, self.world_size = world.rank, world.world_size
-        old = self._session
-        if old.is_current and old.waits.batches == 0:
-            old.close_reader()
-            self._session = self._new_session(old.client, old.manifest)
+        return self.__dict__.copy()  # the slot leaves its session behind
 
     # -- Dataset protocol -----------------------------------------------------------
     def __len__(self) -> int:
@@ -359,20 +319,7 @@ class DistributedCachedDataset(Dataset[Any]):
         ``ds.sampler.set_epoch(epoch)`` does the same (trainers call that one);
         calling both with one epoch does the work once.
         """
-        self._sampler.set_epoch(epoch)  # calls _start_epoch back
-
-    def _start_epoch(self, epoch: int, resuming: bool) -> None:
-        if epoch == self._epoch_started and self._session.waits.batches == 0:
-            return  # both set_epoch calls of one epoch, or a repeat: once
-        self._epoch_started = epoch
-        self._sampler.order()  # computed now, not inside the first batch's wait
-        session = self._session  # the world is known now (a fresh one, maybe)
-        session.start_epoch(resuming)  # reports last epoch's numbers first
-        self._generations.renew()
-        if self.consistency == "epoch" and session.is_current:
-            # The snapshot is one Redis read; taking it here keeps it out of
-            # the first batch's wait (DataLoader workers take their own).
-            session.generation()
+        self._sampler.set_epoch(epoch)  # calls the slot's start_epoch back
 
     def __getitem__(self, idx: int) -> Any:
         return self.__getitems__([idx])[0]
@@ -463,14 +410,7 @@ class DistributedCachedDataset(Dataset[Any]):
         Merge every rank's state (:meth:`merge_states`, :meth:`gather_state_dict`)
         to resume at another world size.
         """
-        return {
-            **self._sampler.state(),
-            "consumed": self._session.consumed if consumed is None else int(consumed),
-            "manifest": self.digest,
-            "generation": self.generation,
-            "layout": layout_digest(self._sampler.sizes),
-            "node": current_node(),
-        }
+        return self._slot.state(consumed)
 
     @staticmethod
     def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -524,36 +464,7 @@ class DistributedCachedDataset(Dataset[Any]):
                 one rank's state is given for another world size, or it was
                 saved on another listing (see ``on_change``).
         """
-        check_on_change(on_change)
-        session = self._session
-        explain = partial(
-            self._generations.explain, session.client, current=session.manifest
-        )
-        consumed = apply_state(
-            self._sampler,
-            state,
-            self.digest,
-            nodes,
-            explain=explain,
-            on_change=on_change,
-            layout=layout_digest(self._sampler.sizes),
-        )
-        self._session.consumed = self._session.cursor = consumed
-        saved = _saved_listing(state)
-        if saved is not None and saved != self.digest:
-            what = explain(saved)
-            self._resumed_across = {
-                "saved_listing": saved,
-                "listing": self.digest,
-                "changes": what,
-            }
-            log.warning(
-                "shardcache: dataset %s resumed on a new listing (on_change="
-                "'new_listing'; %s): changed objects not yet delivered this "
-                "epoch are read at their new version",
-                self.name,
-                what,
-            )
+        self._resumed_across = self._slot.resume(state, nodes, on_change)
 
     # -- the cache around this rank --------------------------------------------------------
     def warm(
@@ -568,16 +479,7 @@ class DistributedCachedDataset(Dataset[Any]):
 
         >>> # ds.set_epoch(0); ds.warm(steps=50, batch_size=64)
         """
-        if not all(isinstance(v, int) and v >= 1 for v in (steps, batch_size)):
-            raise ConfigError(
-                f"steps and batch_size must be integers >= 1, got {steps!r}, "
-                f"{batch_size!r}."
-            )
-        order = self._sampler.order()
-        session = self._here()
-        start = session.cursor or self._sampler.pending_skip
-        upcoming = order[start : start + steps * batch_size]
-        return session.warm(upcoming, progress=progress)
+        return self._slot.warm(steps, batch_size, progress=progress)
 
     def cached_locality(self) -> dict[str, int]:
         """How many of this rank's shard samples are cached on each node (from the index)."""
@@ -597,10 +499,3 @@ class DistributedCachedDataset(Dataset[Any]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _saved_listing(state: Any) -> str | None:
-    """The listing digest a state (one rank's, merged, or a list) was saved on."""
-    first = state if isinstance(state, Mapping) else (state[0] if state else {})
-    saved = first.get("manifest")
-    return None if saved is None else str(saved)

@@ -27,6 +27,7 @@ from shardcache.mix_order import (
     normalise_weights,
 )
 from shardcache.mix_progress import Progress, deal, deal_lengths
+from shardcache.resume.state import by_rank
 from shardcache.sharding import validate_world
 from shardcache.world import LazyWorld
 
@@ -322,27 +323,8 @@ def merge_mix_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             return dict(first)  # already merged (gather gives each rank a copy)
         raise ConfigError("pass per-rank states or one merged state, not several.")
     world = int(first["world_size"])
-    consumed: list[int | None] = [None] * world
-    for s in states:
-        for key, value in first.items():
-            if key not in ("rank", "consumed") and s.get(key) != value:
-                raise ConfigError(
-                    f"states disagree on {key}: {value!r} vs {s.get(key)!r}; merge "
-                    "the states saved at the same step of one job."
-                )
-        r = int(s["rank"])
-        if not 0 <= r < world or consumed[r] is not None:
-            raise ConfigError(
-                f"rank {r} is out of range or given twice among {len(states)} "
-                f"states of a world of {world}."
-            )
-        consumed[r] = int(s["consumed"])
-    missing = [r for r, c in enumerate(consumed) if c is None]
-    if missing:
-        raise ConfigError(
-            f"states of ranks {missing} are missing (world_size={world}); every "
-            "rank's state is needed to know which samples were consumed."
-        )
+    agree = [k for k in first if k not in ("rank", "consumed")]
+    consumed = [int(s["consumed"]) for s in by_rank(states, agree)]
     length = len(
         mixture_order(
             first["sizes"],
@@ -356,7 +338,7 @@ def merge_mix_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         )
     )
     progress = Progress(int(first["start"]), tuple(first["skipped"])).advance(
-        length, world, int(first["block"]), [int(c) for c in consumed]
+        length, world, int(first["block"]), consumed
     )
     merged = {k: v for k, v in first.items() if k not in _PER_WORLD}
     merged.update(start=progress.start, skipped=list(progress.skipped), merged=True)

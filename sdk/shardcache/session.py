@@ -362,8 +362,27 @@ class RankSession:
             self.report_rank(in_background=True)
 
     # -- the cache around this rank -------------------------------------------------------
-    def warm(self, upcoming: np.ndarray, *, progress: bool) -> dict[str, int]:
-        """Hold the chunks of the ``upcoming`` samples on this node now."""
+    def warm(
+        self,
+        order: np.ndarray,
+        start: int,
+        steps: int,
+        batch_size: int,
+        *,
+        progress: bool,
+    ) -> dict[str, int]:
+        """Hold on this node the chunks of the ``steps`` batches of ``order``
+        from ``start``.
+
+        Raises:
+            ConfigError: ``steps`` or ``batch_size`` < 1.
+        """
+        if not all(isinstance(v, int) and v >= 1 for v in (steps, batch_size)):
+            raise ConfigError(
+                f"steps and batch_size must be integers >= 1, got {steps!r}, "
+                f"{batch_size!r}."
+            )
+        upcoming = order[start : start + steps * batch_size]
         reader = self.attach()
         reader.use_generation(self.generation())
         return warm_chunks(reader, upcoming, progress=progress)

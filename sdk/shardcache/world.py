@@ -77,6 +77,23 @@ class World:
     source: str = "none"  # one of SOURCES
 
     @classmethod
+    def provisional(cls, rank: int | None, world_size: int | None) -> tuple[int, int]:
+        """The rank and world as far as known now, without raising: a sampler
+        resolves (and validates) them at first use.
+
+        >>> World.provisional(3, 4)
+        (3, 4)
+        """
+        try:
+            world = cls.detect()
+        except ConfigError:
+            world = cls()
+        return (
+            world.rank if rank is None else rank,
+            world.world_size if world_size is None else world_size,
+        )
+
+    @classmethod
     def detect(cls, env: Mapping[str, str] | None = None) -> World:
         """Read the process group if initialised, else the launcher's variables
         (``RANK``, or ``LOCAL_RANK`` with ``NODE_RANK``/``GROUP_RANK``, and

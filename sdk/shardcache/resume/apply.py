@@ -18,13 +18,16 @@ resumed as ``on_change`` says:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from shardcache.errors import ConfigError
 from shardcache.resume.state import current_node, gather_nodes, merge_states
 
-__all__ = ["ON_CHANGE", "apply_state", "check_on_change"]
+__all__ = ["ON_CHANGE", "apply_state", "check_on_change", "crossed_listing"]
+
+log = logging.getLogger("shardcache")
 
 # What a resume does when the source changed since the state was saved.
 ON_CHANGE = ("error", "new_listing")
@@ -144,3 +147,29 @@ def apply_state(
         sampler.resume_elastic(state["resumed_from"], state["plan_nodes"])
     sampler.resume(epoch, consumed)
     return consumed
+
+
+def crossed_listing(
+    state: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    digest: str,
+    explain: Callable[[str], str],
+    name: str,
+) -> dict[str, Any] | None:
+    """What an applied ``state`` crossed: ``None`` when it was saved on
+    ``digest`` (this listing), else the saved and current listings and what
+    changed between them (``stats()["resumed_across_change"]``), logged once.
+    Only an ``on_change="new_listing"`` resume gets this far across a change.
+    """
+    first = state if isinstance(state, Mapping) else (state[0] if state else {})
+    saved = first.get("manifest")
+    if saved is None or str(saved) == digest:
+        return None
+    what = explain(str(saved))
+    log.warning(
+        "shardcache: dataset %s resumed on a new listing (on_change="
+        "'new_listing'; %s): changed objects not yet delivered this "
+        "epoch are read at their new version",
+        name,
+        what,
+    )
+    return {"saved_listing": str(saved), "listing": digest, "changes": what}

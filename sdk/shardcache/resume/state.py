@@ -6,7 +6,7 @@ its rank, how many samples it consumed and the node it ran on.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from shardcache.errors import ConfigError
@@ -14,6 +14,7 @@ from shardcache.errors import ConfigError
 __all__ = [
     "STATE_VERSION",
     "WORLD_KEYS",
+    "by_rank",
     "current_node",
     "gather_nodes",
     "gather_states",
@@ -64,6 +65,46 @@ def world_state(
     }
 
 
+def by_rank(
+    states: Sequence[Mapping[str, Any]], agree: Iterable[str]
+) -> list[Mapping[str, Any]]:
+    """Every rank's own state once, in rank order, all agreeing on ``agree``
+    (what makes them saves of one step of one job).
+
+    Raises:
+        ConfigError: states disagree on a key of ``agree``, or a rank is out
+            of range, given twice or missing.
+
+    >>> [s["rank"] for s in by_rank([{"world_size": 2, "rank": 1},
+    ...                              {"world_size": 2, "rank": 0}], ["world_size"])]
+    [0, 1]
+    """
+    first = states[0]
+    world = int(first["world_size"])
+    ordered: list[Mapping[str, Any] | None] = [None] * world
+    for s in states:
+        for key in agree:
+            if s.get(key) != first.get(key):
+                raise ConfigError(
+                    f"states disagree on {key}: {first.get(key)!r} vs {s.get(key)!r}; "
+                    "merge the states saved at the same step of one job."
+                )
+        r = int(s["rank"])
+        if not 0 <= r < world or ordered[r] is not None:
+            raise ConfigError(
+                f"rank {r} is out of range or given twice among {len(states)} states "
+                f"of a world of {world}."
+            )
+        ordered[r] = s
+    missing = [r for r, s in enumerate(ordered) if s is None]
+    if missing:
+        raise ConfigError(
+            f"states of ranks {missing} are missing (world_size={world}); every "
+            "rank's state is needed to know which samples were consumed."
+        )
+    return [s for s in ordered if s is not None]
+
+
 def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One state per old rank -> the job's state: consumed counts and nodes per rank.
 
@@ -80,30 +121,9 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if all(s == first for s in states):
             return dict(first)
         raise ConfigError("pass per-rank states or one merged state, not several.")
-    world = int(first["world_size"])
-    consumed: list[int | None] = [None] * world
-    nodes = [""] * world
-    for s in states:
-        for key in WORLD_KEYS:
-            if s.get(key) != first.get(key):
-                raise ConfigError(
-                    f"states disagree on {key}: {first.get(key)!r} vs {s.get(key)!r}; "
-                    "merge the states saved at the same step of one job."
-                )
-        r = int(s["rank"])
-        if not 0 <= r < world or consumed[r] is not None:
-            raise ConfigError(
-                f"rank {r} is out of range or given twice among {len(states)} states "
-                f"of a world of {world}."
-            )
-        consumed[r] = int(s["consumed"])
-        nodes[r] = str(s.get("node") or "")
-    missing = [r for r, c in enumerate(consumed) if c is None]
-    if missing:
-        raise ConfigError(
-            f"states of ranks {missing} are missing (world_size={world}); every "
-            "rank's state is needed to know which samples were consumed."
-        )
+    ordered = by_rank(states, WORLD_KEYS)
+    consumed = [int(s["consumed"]) for s in ordered]
+    nodes = [str(s.get("node") or "") for s in ordered]
     # Ranks may snapshot a generation a batch apart; the newest is the record.
     generations = [int(s["generation"]) for s in states if s.get("generation")]
     return {

@@ -1,0 +1,156 @@
+"""SessionSlot: which RankSession this process reads through, and where it is in the epoch.
+
+A dataset object travels: DataLoader workers get it pickled (spawn) or
+inherited (fork), and it may be built before the launcher or process group
+has said where the process is. The slot owns the rule that keeps one
+session per process: a spawned worker opens its own when it is unpickled, a
+forked one when it first reads (keeping the listing it inherited mapped),
+and the constructing process opens a fresh one when the world it learns at
+first use names another rank than the provisional one, as long as it has
+not read a batch yet. The sampler calls back into the slot (never into the
+dataset) for both. Where the process is in the epoch (an epoch's start, a
+saved state, a resume) is the slot's too, since each of those must reach
+the session that is current.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
+
+from shardcache.generations import Generations, layout_digest
+from shardcache.job import JobId
+from shardcache.manifest import Manifest
+from shardcache.resume import apply_state, current_node
+from shardcache.resume.apply import check_on_change, crossed_listing
+from shardcache.sampler import ShardSampler
+from shardcache.session import RankSession, open_for_this_process
+from shardcache.spec import DatasetSpec
+from shardcache.world import World
+
+__all__ = ["SessionSlot"]
+
+
+class SessionSlot:
+    """This process's :class:`RankSession`, renewed when the process or the world changes.
+
+    Args:
+        spec, job, sampler, generations: the dataset's parts a session reads.
+        world: the provisional ``(rank, world_size)``; the sampler's first
+            use brings the final one (:meth:`use_world`).
+        client, manifest: the constructing process's client and mapped listing.
+    """
+
+    def __init__(
+        self,
+        spec: DatasetSpec,
+        job: JobId,
+        sampler: ShardSampler,
+        generations: Generations,
+        world: tuple[int, int],
+        client: Any,
+        manifest: Manifest,
+    ):
+        self.spec, self.job, self.generations = spec, job, generations
+        self.sampler = sampler
+        self.rank, self.world_size = world
+        self.epoch_started: int | None = None
+        sampler.bind(self.start_epoch, self.use_world)
+        self.session = self._open(client, manifest)
+
+    def _open(self, client: Any, manifest: Manifest | None) -> RankSession:
+        parts = (self.spec, self.job, self.rank, self.sampler, self.generations)
+        return RankSession(*parts, client, manifest)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Workers get the small description: never the mapped manifest,
+        # chunks or threads. Each worker maps them again by digest.
+        state = self.__dict__.copy()
+        state.pop("session")
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.sampler.bind(self.start_epoch, self.use_world)
+        self.session = self._open(open_for_this_process(self.spec.config), None)
+
+    def here(self) -> RankSession:
+        """This process's session, with the rank known: a forked DataLoader
+        worker starts its own (keeping the listing it inherited mapped)."""
+        self.sampler.rank  # noqa: B018 (resolves the world: use_world may renew)
+        if not self.session.is_current:
+            client = open_for_this_process(self.spec.config, forked=True)
+            self.session = self._open(client, self.session.manifest)
+        return self.session
+
+    def use_world(self, world: World) -> None:
+        """The sampler read the world (at first use): rank-keyed reporting
+        follows it. Only ever before this process's first batch."""
+        if (world.rank, world.world_size) == (self.rank, self.world_size):
+            return
+        self.rank, self.world_size = world.rank, world.world_size
+        old = self.session
+        if old.is_current and old.waits.batches == 0:
+            old.close_reader()
+            self.session = self._open(old.client, old.manifest)
+
+    def start_epoch(self, epoch: int, resuming: bool) -> None:
+        """The sampler started ``epoch`` (``ds.set_epoch`` or
+        ``ds.sampler.set_epoch``): the order, the reports and the generation
+        snapshot happen here, once per epoch, outside the first batch's wait."""
+        if epoch == self.epoch_started and self.session.waits.batches == 0:
+            return  # both set_epoch calls of one epoch, or a repeat: once
+        self.epoch_started = epoch
+        self.sampler.order()  # computed now, not inside the first batch's wait
+        session = self.session  # the world is known now (a fresh one, maybe)
+        session.start_epoch(resuming)  # reports last epoch's numbers first
+        self.generations.renew()
+        if self.spec.consistency == "epoch" and session.is_current:
+            # The snapshot is one Redis read; taking it here keeps it out of
+            # the first batch's wait (DataLoader workers take their own).
+            session.generation()
+
+    def state(self, consumed: int | None) -> dict[str, Any]:
+        """``DistributedCachedDataset.state_dict``: the position and what was read."""
+        return {
+            **self.sampler.state(),
+            "consumed": self.session.consumed if consumed is None else int(consumed),
+            "manifest": self.generations.digest,
+            "generation": self.generations.generation,
+            "layout": layout_digest(self.sampler.sizes),
+            "node": current_node(),
+        }
+
+    def resume(
+        self,
+        state: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+        nodes: Sequence[str] | None,
+        on_change: str,
+    ) -> dict[str, Any] | None:
+        """``DistributedCachedDataset.load_state_dict``: point the sampler and
+        the session at the rest of the saved epoch; returns what a resume
+        across a source change crossed (``None`` when it crossed none)."""
+        check_on_change(on_change)
+        session = self.session
+        explain = partial(
+            self.generations.explain, session.client, current=session.manifest
+        )
+        digest = self.generations.digest
+        consumed = apply_state(
+            self.sampler,
+            state,
+            digest,
+            nodes,
+            explain=explain,
+            on_change=on_change,
+            layout=layout_digest(self.sampler.sizes),
+        )
+        session.consumed = session.cursor = consumed
+        return crossed_listing(state, digest, explain, self.spec.name)
+
+    def warm(self, steps: int, batch_size: int, *, progress: bool) -> dict[str, int]:
+        """``DistributedCachedDataset.warm``: the next ``steps`` batches' chunks."""
+        start = self.session.cursor or self.sampler.pending_skip
+        order = self.sampler.order()
+        return self.here().warm(order, start, steps, batch_size, progress=progress)
