@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 from typing import Any
 
@@ -29,11 +30,46 @@ def raw_bytes(data: bytes) -> np.ndarray:
 def decode_npy(data: bytes) -> np.ndarray:
     """One ``.npy`` file as its array (the default for per-sample .npy objects).
 
-    >>> buf = io.BytesIO(); np.save(buf, np.zeros((3, 2), np.float32))
-    >>> decode_npy(buf.getvalue()).shape
-    (3, 2)
+    The array is copied straight out of ``data`` (one memcpy). ``np.load``
+    over a BytesIO costs ~130 us for a 150 KB image, mostly parsing the
+    header with ``ast``; a dataset's files share a handful of headers, so
+    each distinct one is parsed once per process (``_npy_layout``).
+
+    >>> buf = io.BytesIO(); np.save(buf, np.arange(6, dtype=np.float32).reshape(3, 2))
+    >>> decode_npy(buf.getvalue()).tolist()
+    [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
     """
-    return np.load(io.BytesIO(data), allow_pickle=False)
+    view = memoryview(data)
+    if bytes(view[:6]) != b"\x93NUMPY" or len(data) < 12:
+        return np.load(io.BytesIO(data), allow_pickle=False)  # numpy's own error
+    # Version 1.0 stores the header length in 2 bytes, 2.0 and 3.0 in 4.
+    width = 2 if view[6] == 1 else 4
+    end = 8 + width + int.from_bytes(view[8 : 8 + width], "little")
+    layout = _npy_layout(bytes(view[:end]))
+    if layout is None:  # object arrays: np.load refuses them without pickle
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    shape, order, dtype = layout
+    count = int(np.prod(shape, dtype=np.int64))
+    flat = np.frombuffer(data, dtype=dtype, count=count, offset=end)
+    return flat.reshape(shape, order=order).copy(order=order)
+
+
+@functools.lru_cache(maxsize=256)
+def _npy_layout(header: bytes) -> tuple[tuple[int, ...], str, np.dtype] | None:
+    """``(shape, order, dtype)`` of a .npy header (magic included), or ``None``
+    for what ``np.load`` itself should read: a dtype that holds Python
+    objects, or format 3.0 (UTF-8 field names)."""
+    fp = io.BytesIO(header)
+    version = np.lib.format.read_magic(fp)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(fp)
+    elif version == (2, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(fp)
+    else:
+        return None
+    if dtype.hasobject:
+        return None
+    return tuple(shape), "F" if fortran else "C", dtype
 
 
 def decode_image(data: bytes) -> np.ndarray:
