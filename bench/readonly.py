@@ -1,13 +1,15 @@
-"""What read-only samples cost: the README's DataLoader path with the copy
-every sample now gets, against the zero-copy views it used to hand out.
+"""What read-only samples cost: the README's DataLoader path as it is, against
+a copy per sample and against the zero-copy views it used to hand out.
 
 Since the fix for in-place writes (``x.mul_(2)`` on a sample wrote into the
 shared chunk), ``ds[i]``, ``__getitems__`` and a transform's input are
-copies. This times warm epochs of ``DataLoader(ds, batch_size=B,
+samples the caller owns. ``__getitems__`` gathers a batch in one copy into a
+tensor of its own and hands out its rows; before, each sample was a copy of
+its own. This times warm epochs of ``DataLoader(ds, batch_size=B,
 sampler=ds.sampler)`` (``__getitems__`` then ``default_collate``: what the
-training step receives) both ways, in one process on a warm cache, and
-``ds.loader(B)`` (one gather, unchanged) beside them. The views are
-reproduced by swapping the copy back out inside this process only.
+training step receives) three ways, in one process on a warm cache, and
+``ds.loader(B)`` (one gather, no list) beside them. The per-sample copies
+and the views are reproduced inside this process only.
 
     PYTHONPATH=sdk:services:bench .venv/bin/python bench/readonly.py \\
         --samples 20000 --sample-bytes 4096 --batch 64
@@ -41,6 +43,16 @@ def _epoch_rate(ds, batches, epochs: int) -> float:
     return n / t
 
 
+def _per_sample(self, chunks, chunk_ids, rows, indices):  # noqa: ANN001, ANN202
+    """``ChunkReader.samples`` as it was: one copy (``_owned``) per sample."""
+    return [
+        self.sample(chunks[c], r, i)
+        for c, r, i in zip(
+            chunk_ids.tolist(), rows.tolist(), indices.tolist(), strict=True
+        )
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--samples", type=int, default=20000)
@@ -71,6 +83,10 @@ def main() -> None:
         dataloader = torch.utils.data.DataLoader(
             ds, batch_size=args.batch, sampler=ds.sampler
         )
+        batch_gather = _epoch_rate(ds, lambda: dataloader, args.epochs)
+        cls = reader_module.ChunkReader
+        gathered_samples = cls.samples
+        cls.samples = _per_sample  # the copy per sample of before
         copies = _epoch_rate(ds, lambda: dataloader, args.epochs)
         owned = reader_module._owned
         reader_module._owned = torch.from_numpy  # the old zero-copy views
@@ -78,6 +94,7 @@ def main() -> None:
             warnings.simplefilter("ignore")
             views = _epoch_rate(ds, lambda: dataloader, args.epochs)
         reader_module._owned = owned
+        cls.samples = gathered_samples
         gathered = _epoch_rate(ds, lambda: ds.loader(args.batch), args.epochs)
     finally:
         ray.shutdown()
@@ -86,9 +103,10 @@ def main() -> None:
         "command": "bench/readonly.py "
         f"--samples {args.samples} --sample-bytes {args.sample_bytes} "
         f"--batch {args.batch} --epochs {args.epochs}",
-        "dataloader_copies_samples_per_s": round(copies),
+        "dataloader_batch_gather_samples_per_s": round(batch_gather),
+        "dataloader_copy_per_sample_samples_per_s": round(copies),
         "dataloader_views_samples_per_s": round(views),
-        "copy_cost": round(1 - copies / views, 3),
+        "copy_cost": round(1 - batch_gather / views, 3),
         "ds_loader_samples_per_s": round(gathered),
     }, indent=1))  # fmt: skip
 

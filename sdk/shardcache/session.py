@@ -258,12 +258,7 @@ class RankSession:
         if collate and transform is None:
             batch = as_tuple(reader.collate(chunks, chunk_ids, rows, idx, pin_memory))
         else:
-            batch = [
-                reader.sample(chunks[c], r, i)
-                for c, r, i in zip(
-                    chunk_ids.tolist(), rows.tolist(), idx.tolist(), strict=True
-                )
-            ]
+            batch = reader.samples(chunks, chunk_ids, rows, idx)
             if batch and is_tuple_sample(batch[0]):
                 batch = [as_tuple(s) for s in batch]
             if transform is not None:
