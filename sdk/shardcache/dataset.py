@@ -26,7 +26,7 @@ from shardcache.job import resolve_job
 from shardcache.loader import BatchLoader
 from shardcache.resume import gather_states, merge_states
 from shardcache.sampler import ShardSampler
-from shardcache.session import open_for_this_process
+from shardcache.session import RankSession, open_for_this_process
 from shardcache.slot import SessionSlot
 from shardcache.spec import DatasetSpec, check_source_dataset
 from shardcache.world import World
@@ -292,7 +292,7 @@ class DistributedCachedDataset(Dataset[Any]):
     # a forked worker before its first batch; _here() renews it).
     _session = property(lambda self: self._slot.session)
 
-    def _here(self) -> Any:
+    def _here(self) -> RankSession:
         return self._slot.here()  # this process's session, renewed if stale
 
     def __getstate__(self) -> dict[str, Any]:
