@@ -178,3 +178,41 @@ def test_shard_serves_the_base_form_where_the_budget_holds_no_variant(
     counters = index.client.hgetall(stats_key(cfg.namespace, "ds"))
     assert int(counters.get("variant_fallbacks", 0)) == 16 - room_for
     assert info["used_bytes"] <= budget and s3.total_gets == 4
+
+
+def _mirror(x, rng):
+    return x[::-1].copy()
+
+
+def test_shard_a_new_augment_rebuilds_only_the_variants_from_the_cached_base(
+    s3, s3fs_client, bucket, redis_url
+):
+    cfg, _, spec, items = _setup(s3, s3fs_client, bucket, redis_url, count=4)
+    old_spec, old = _with_variants(spec)
+    new = VariantSpec.validate(_mirror, 3, 4)
+    assert new is not None
+    new_spec = {**spec, "variants": new.install()}
+
+    async def scenario():
+        shard = _shard(cfg)
+        await shard.install(old_spec, raw_bytes)
+        await shard.get("ds", 1, items[:1])  # chunk 0: its base only
+        await shard.get("ds", 1, [old.item(it, 0) for it in items[1:]])
+        await _settled(shard)
+        await shard.install(new_spec, raw_bytes)  # the job changed augment
+        # A rank still on the old augment asking for a variant not held is
+        # served the base form, never a view of the new augment.
+        stale = await shard.get("ds", 1, [old.item(items[0], 1)])
+        rebuilt = await shard.get("ds", 1, [new.item(it, 0) for it in items])
+        await _settled(shard)
+        await shard.close()
+        return stale, rebuilt
+
+    stale, rebuilt = _run(scenario())
+    assert Chunk(stale[0][1]).variant is None
+    assert {r[0] for r in rebuilt} == {"hit"}  # built from the held bases
+    for i, (_, columns) in enumerate(rebuilt):
+        expected = np.full(100, i, np.uint8)[::-1]
+        assert Chunk(columns).variant == 0
+        assert np.array_equal(Chunk(columns).sample(0), expected)
+    assert s3.total_gets == 4  # the base was never read again
