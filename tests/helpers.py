@@ -92,10 +92,10 @@ def local_build(settings):
     """A ``CacheShard(build=...)`` that builds chunks in a thread of this process."""
     import asyncio
 
-    from shardcache_server.builder import build_members
+    from shardcache_server.builder import build_request
 
     async def build(req):
-        return await asyncio.to_thread(build_members, settings, req)
+        return await asyncio.to_thread(build_request, settings, req)
 
     return build
 

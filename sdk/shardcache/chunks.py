@@ -17,6 +17,8 @@ column                 content
 ``__failed__``         ``(n,)`` bool, set where the member could not be built
 ``__errors__``         uint8 JSON ``{row: [error class, message]}``
 ``__target__``         ``(n, ...)`` the ``target(url)`` labels, when one is given
+``__variant__``        ``(1,)`` int64: which augmented variant this chunk is
+                       (``shardcache.variants``); absent in a base chunk
 =====================  ===========================================================
 
 A failed member leaves a zero row (stacked) or an empty one (ragged); the
@@ -46,6 +48,7 @@ __all__ = [
     "PLAIN_FIELD",
     "SOURCED",
     "TARGET",
+    "VARIANT",
     "Chunk",
     "ChunkLayout",
     "plan_chunks",
@@ -63,6 +66,7 @@ TARGET = "__target__"
 # old chunk); absent when every row was read. Ranks count only these as
 # source reads, so a changed object costs one "miss", not its whole chunk.
 SOURCED = "__sourced__"
+VARIANT = "__variant__"  # an augmented variant's number (variants=K); base: absent
 
 Value = Any  # np.ndarray | dict[str, np.ndarray]
 
@@ -155,6 +159,10 @@ class Chunk:
         self.nbytes = int(sum(v.nbytes for v in columns.values()))
         self.targets = columns.get(TARGET)
         self.sourced = columns.get(SOURCED)
+        variant = columns.get(VARIANT)
+        # Which augmented variant this is (None: the base form): a rank that
+        # asked for a variant tells a fallback to the base form by it.
+        self.variant = None if variant is None else int(variant[0])
 
     def __len__(self) -> int:
         return len(self.failed)

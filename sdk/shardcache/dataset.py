@@ -55,6 +55,14 @@ class DistributedCachedDataset(Dataset[Any]):
         transform: per-sample augmentation on the rank, after the cache (a
             Python call per sample: prefer batch-wise augmentation on the
             collated tensor for small samples).
+        augment, variants: cache ``variants=K`` augmented views of every
+            sample, built in the stores by ``augment(sample, rng) -> sample``
+            (a numpy ``Generator`` derived from ``(seed, variant, index)``);
+            epoch ``e`` reads variant ``(e + seed % K) % K`` and the rank
+            never calls ``augment``. Views repeat every ``K`` epochs (data
+            echoing; K of 4-8 advised): see ``shardcache.variants``.
+            Changing ``augment`` or ``seed`` rebuilds the variants from the
+            cached base form only. Default to ``None`` and ``1`` (no variants).
         storage_options: passed to fsspec (e.g. an S3 endpoint).
         name: dataset namespace in the index. Defaults to one derived from ``urls``.
         target: ``url -> label`` (a number); when set, samples are ``(x, label)``
@@ -178,6 +186,8 @@ class DistributedCachedDataset(Dataset[Any]):
         version: str | None = None,
         revalidate: str | float = "job",
         on_error: str = "raise",
+        augment: Callable[[Any, np.random.Generator], Any] | None = None,
+        variants: int = 1,
     ):
         spec = DatasetSpec.validate(
             urls,
@@ -201,6 +211,9 @@ class DistributedCachedDataset(Dataset[Any]):
             namespace=namespace,
             prefetch_batches=prefetch_batches,
             allow_remote=allow_remote,
+            augment=augment,
+            variants=variants,
+            seed=seed,
         )
         self._job = resolve_job(job)
         client = open_for_this_process(

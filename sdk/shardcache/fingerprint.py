@@ -40,6 +40,7 @@ __all__ = [
     "fingerprint",
     "log_new_generation",
     "unstable_parts",
+    "variants_fingerprint",
 ]
 
 log = logging.getLogger("shardcache")
@@ -323,6 +324,27 @@ def dataset_fingerprint(
             "; ".join(unstable),
         )
     return fp
+
+
+def variants_fingerprint(augment: Callable[..., Any], seed: int) -> str:
+    """The version of a dataset's augmented variants: ``augment``'s fingerprint
+    and the seed its generators derive from (16 hex digits).
+
+    It versions the variant chunks only, not the dataset's generation: the
+    base form does not depend on ``augment``, so changing it rebuilds the
+    variants from the cached base and reads nothing from the source. ``K``
+    is not part of it: variant ``v`` is the same view whatever ``K`` is
+    (its generator depends on ``v``, not ``K``), so raising ``K`` keeps the
+    variants already built.
+
+    >>> def flip(x, rng): return x[::-1]
+    >>> variants_fingerprint(flip, 0) == variants_fingerprint(flip, 0)
+    True
+    >>> variants_fingerprint(flip, 0) != variants_fingerprint(flip, 1)
+    True
+    """
+    text = f"{fingerprint(augment)}/seed:{int(seed)}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _changes(previous: str, current: str, fns: dict[str, Any]) -> list[str]:

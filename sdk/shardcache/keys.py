@@ -31,7 +31,11 @@ key                                        type    content
 
 A chunk key is ``c<n>``, chunk ``n`` of a listing (:func:`chunk_key`,
 :func:`parse_chunk_key`): the field of the entries and owners hashes, and the
-name a store, the disk tier and a rank's request use.
+name a store, the disk tier and a rank's request use. An augmented variant of
+a chunk (``variants=K``, ``shardcache.variants``) is ``c<n>.v<k>``
+(:func:`chunk_key` with ``variant``, :func:`parse_variant_key`): only a
+store's table and a rank's request name it; it is never an index field, a
+claim or a disk-tier file (variants are node-local, derived from the base).
 """
 
 from __future__ import annotations
@@ -51,7 +55,9 @@ __all__ = [
     "invalidation_channel",
     "manifest_key",
     "owners_key",
+    "is_variant_key",
     "parse_chunk_key",
+    "parse_variant_key",
     "prefix",
     "ranks_key",
     "stats_key",
@@ -89,33 +95,66 @@ def validate_name(kind: str, value: str) -> str:
     return value
 
 
-def chunk_key(chunk: int) -> str:
+def chunk_key(chunk: int, variant: int | None = None) -> str:
     """The name of chunk ``chunk`` of a listing, the one form everything uses: index
-    entries and owner claims, store tables, disk-tier files, requests.
+    entries and owner claims, store tables, disk-tier files, requests; with
+    ``variant``, the name of that augmented variant of the chunk.
 
-    >>> chunk_key(7), parse_chunk_key("c7")
-    ('c7', 7)
+    >>> chunk_key(7), parse_chunk_key("c7"), chunk_key(7, 2), parse_variant_key("c7.v2")
+    ('c7', 7, 'c7.v2', (7, 2))
     """
-    return f"c{int(chunk)}"
+    if variant is None:
+        return f"c{int(chunk)}"
+    return f"c{int(chunk)}.v{int(variant)}"
+
+
+def _number(text: str) -> int | None:
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
 def parse_chunk_key(key: str) -> int:
-    """The chunk number in ``key``, the inverse of :func:`chunk_key`.
+    """The chunk number in ``key``, the inverse of :func:`chunk_key` for a base
+    chunk. A variant key is refused: code that reads base chunks (claims,
+    disk files, builds, eviction plans) must never take a variant for one.
 
     Raises:
         ConfigError: ``key`` is not ``"c<n>"``.
     """
-    if (
-        isinstance(key, str)
-        and key[:1] == "c"
-        and key[1:].isascii()
-        and key[1:].isdigit()
-    ):
-        return int(key[1:])
+    if isinstance(key, str) and key[:1] == "c":
+        number = _number(key[1:])
+        if number is not None:
+            return number
     raise ConfigError(
         f"a chunk key is 'c' and the chunk's number (c0, c1, ...), got {key!r}; "
         "the rank and the store run different shardcache versions?"
     )
+
+
+def is_variant_key(key: str) -> bool:
+    """Whether ``key`` names an augmented variant (``c<n>.v<k>``).
+
+    >>> is_variant_key("c7.v0"), is_variant_key("c7")
+    (True, False)
+    """
+    return isinstance(key, str) and ".v" in key
+
+
+def parse_variant_key(key: str) -> tuple[int, int | None]:
+    """``(chunk, variant)`` of a chunk key, ``variant`` ``None`` for a base key.
+
+    Raises:
+        ConfigError: ``key`` is neither ``"c<n>"`` nor ``"c<n>.v<k>"``.
+    """
+    base, sep, variant = key.partition(".v") if isinstance(key, str) else ("", "", "")
+    if not sep:
+        return parse_chunk_key(key), None
+    number = _number(variant)
+    if number is None:
+        raise ConfigError(
+            f"a variant chunk key is 'c<n>.v<k>' (c7.v0, c7.v1, ...), got {key!r}; "
+            "the rank and the store run different shardcache versions?"
+        )
+    return parse_chunk_key(base), number
 
 
 def prefix(ns: str) -> str:

@@ -26,6 +26,7 @@ from shardcache.chunks import PLAIN_FIELD, Chunk, batch_shape, gather
 from shardcache.manifest import Manifest
 from shardcache.transport.base import Status, Transport
 from shardcache.usage.totals import ORIGINS  # where a delivered sample came from
+from shardcache.variants import VariantSpec
 
 __all__ = ["ChunkReader"]
 
@@ -46,6 +47,8 @@ class ChunkReader:
         digest: that listing's digest. hold_bytes: chunk bytes kept mapped.
         timeout_s: how long one resolution may wait.
         verify_reads: share of resolved chunks checked against their checksum.
+        variants: the dataset's augmented variants, if any: chunks are then
+            asked for as the variant :meth:`use_variant` names.
     """
 
     def __init__(
@@ -57,8 +60,14 @@ class ChunkReader:
         hold_bytes: int,
         timeout_s: float,
         verify_reads: float = 0.0,
+        variants: VariantSpec | None = None,
     ):
         self.client, self.name = client, name
+        self.variants = variants
+        self.variant: int | None = None  # the variant this epoch reads
+        # Chunks served in their base form instead of the variant asked for.
+        self._fallback: set[int] = set()
+        self.variant_counts = {"variant_samples": 0, "base_fallback": 0}
         self.verify_reads = verify_reads
         self.timeout_s, self.hold_bytes = timeout_s, hold_bytes
         self.set_manifest(manifest, digest)
@@ -99,17 +108,31 @@ class ChunkReader:
         if generation == self.generation:
             return
         with self._lock:
-            self._held.clear()
-            self._transient.clear()
-            self._transient_bytes = 0
-            self._held_bytes = 0
-            self._origin.clear()
-            self._sourced.clear()
-            self._counted.clear()
+            self._forget_held()
             self._disk_sampled.clear()
-            self._pending.clear()
             self.saw_uncached = False
             self.generation = generation
+
+    def use_variant(self, variant: int) -> None:
+        """Read augmented variant ``variant`` from now on; what was held is
+        another view of the samples (the epoch before read another variant)."""
+        if variant == self.variant:
+            return
+        with self._lock:
+            self._forget_held()
+            self._fallback.clear()
+            self.variant = variant
+
+    def _forget_held(self) -> None:
+        """Drop every chunk held, kept or on its way (under the lock)."""
+        self._held.clear()
+        self._held_bytes = 0
+        self._transient.clear()
+        self._transient_bytes = 0
+        self._origin.clear()
+        self._sourced.clear()
+        self._counted.clear()
+        self._pending.clear()
 
     def new_epoch(self) -> None:
         """Held chunks delivered last epoch are local from now on: their
@@ -180,6 +203,9 @@ class ChunkReader:
         batch = dict.fromkeys(self.counts, 0)
         for c, n, nbytes in _per_chunk(chunk_ids, sizes):
             self._counted.add(c)
+            if self.variant is not None:
+                form = "base_fallback" if c in self._fallback else "variant_samples"
+                self.variant_counts[form] += n
             origin = self._origin.get(c, "local")
             mask = self._sourced.get(c) if origin == "source" else None
             if mask is not None:
@@ -345,7 +371,10 @@ class ChunkReader:
 
     # -- resolution ---------------------------------------------------------------------
     def _resolve(self, chunks: list[int], generation: int) -> dict[int, Chunk]:
+        variant = self.variant  # a prefetch thread may outlive it: checked below
         items = self.manifest.chunk_items(chunks, self.versions)
+        if self.variants is not None and variant is not None:
+            items = [self.variants.item(it, variant) for it in items]
         results = self.client.resolve(self.name, generation, items, self.digest)
         # A disk-tier file is mapped again on every resolve (it is not held):
         # sampled once per epoch, as a held chunk is once, since a check
@@ -371,12 +400,20 @@ class ChunkReader:
             self.counts["remote_us"] = int(self.client.received_s * 1e6)
         out: dict[int, Chunk] = {}
         with self._lock:
-            current = generation == self.generation
+            current = generation == self.generation and variant == self.variant
             for c, (status, value) in zip(chunks, results, strict=True):
                 chunk = Chunk(value)
                 out[c] = chunk
                 if not current:
                     continue
+                # Asked for a variant, served the base form: the stores could
+                # not hold the variant. Kept for the next few batches only,
+                # never held, so the epoch asks again later.
+                fallback = variant is not None and chunk.variant != variant
+                if fallback:
+                    self._fallback.add(c)
+                else:
+                    self._fallback.discard(c)
                 # A chunk read from the source in this epoch counts as
                 # source for the whole epoch, even when a later call finds
                 # it in the store (a prefetch built it, or hold_bytes=0
@@ -388,6 +425,7 @@ class ChunkReader:
                         self._sourced[c] = chunk.sourced
                 if (
                     status != Status.UNCACHED
+                    and not fallback
                     and self._held_bytes + chunk.nbytes <= self.hold_bytes
                 ):
                     self._held[c] = chunk

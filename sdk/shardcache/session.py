@@ -179,13 +179,16 @@ class RankSession:
     def store_spec(self) -> dict[str, Any]:
         """What the stores are told at registration: the listing, the
         generation and the rank's order."""
-        return {
+        spec = {
             **self.spec.listing(),
             "fingerprint": self.spec.fingerprint,
             "generation": self.generations.generation,
             "manifest": self.generations.digest,
             "order": _order_of(self.sampler),
         }
+        if self.spec.variants is not None:
+            spec["variants"] = self.spec.variants.install()
+        return spec
 
     def attach(self) -> ChunkReader:
         """This process's reader: registers with the node's store (ships the
@@ -206,6 +209,7 @@ class RankSession:
             config.hold_bytes,
             config.request_timeout_s,
             config.verify_reads,
+            self.spec.variants,
         )
         return self.reader
 
@@ -278,6 +282,7 @@ class RankSession:
     def _chunks_of_one_generation(
         self, reader: ChunkReader, chunk_ids: np.ndarray
     ) -> dict[int, Chunk]:
+        self._use_variant(reader)
         for attempt in range(STALE_RETRIES):
             reader.use_generation(self.generation())
             try:
@@ -379,8 +384,16 @@ class RankSession:
             )
         upcoming = order[start : start + steps * batch_size]
         reader = self.attach()
+        self._use_variant(reader)
         reader.use_generation(self.generation())
         return warm_chunks(reader, upcoming, progress=progress)
+
+    def _use_variant(self, reader: ChunkReader) -> None:
+        """Read this epoch's augmented variant (``variants=K``); a resumed
+        epoch reads the same one (it is a function of the epoch alone)."""
+        variants = self.spec.variants
+        if variants is not None:
+            reader.use_variant(variants.of_epoch(self.sampler.epoch))
 
     def cached_locality(self, shard: np.ndarray) -> dict[str, int]:
         """How many of ``shard``'s samples each node holds (from the index)."""
@@ -459,6 +472,16 @@ class RankSession:
             "moved_on_resume": moved_on_resume,
             **self.waits.summary(),
         }
+        if self.spec.variants is not None:
+            # Samples served as this epoch's variant, and those served the
+            # base form instead (the stores could not hold the variant).
+            out["variants"] = {
+                "k": self.spec.variants.k,
+                "variant": self.spec.variants.of_epoch(self.sampler.epoch),
+                "variant_samples": 0,
+                "base_fallback": 0,
+                **(reader.variant_counts if reader is not None else {}),
+            }
         total = out["hits"] + out["misses"]
         out["hit_rate"] = out["hits"] / total if total else 0.0
         try:

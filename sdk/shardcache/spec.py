@@ -23,6 +23,7 @@ from shardcache.manifest import Manifest
 from shardcache.packed_manifest import format_of, objects_preprocess
 from shardcache.picklability import check_picklable
 from shardcache.source import open_remote
+from shardcache.variants import VariantSpec
 
 __all__ = [
     "CONSISTENCY_MODES",
@@ -174,6 +175,7 @@ class DatasetSpec:
     consistency: str
     config: ClientConfig
     fingerprint: str = ""  # set by settle()
+    variants: VariantSpec | None = None  # augmented variants (variants=K)
 
     @classmethod
     def validate(
@@ -200,6 +202,9 @@ class DatasetSpec:
         namespace: str | None,
         prefetch_batches: int | None,
         allow_remote: bool | None,
+        augment: Callable[..., Any] | None = None,
+        variants: int = 1,
+        seed: int = 0,
     ) -> DatasetSpec:
         """Check every argument (the dataset's, whose signature holds the
         defaults); the only I/O is resolving the URL's filesystem.
@@ -217,6 +222,7 @@ class DatasetSpec:
                     f"{label} must be callable or None, got {type(fn).__name__}."
                 )
             check_picklable(fn, label)
+        variant_spec = VariantSpec.validate(augment, variants, seed)
         _one_of("on_error", on_error, ON_ERROR_MODES)
         _one_of("consistency", consistency, CONSISTENCY_MODES)
         for label, value in (
@@ -259,6 +265,7 @@ class DatasetSpec:
             on_error=on_error,
             consistency=consistency,
             config=config,
+            variants=variant_spec,
         )
 
     def settle(self, manifest: Manifest) -> DatasetSpec:

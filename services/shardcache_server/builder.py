@@ -34,8 +34,15 @@ from shardcache_server.fetch import Fetcher
 from shardcache_server.packed_build import build_unit
 from shardcache_server.preprocess import run_preprocess
 from shardcache_server.settings import ServiceSettings
+from shardcache_server.variants import VariantRequest, build_variant
 
-__all__ = ["BuildRequest", "RayChunkBuilder", "build_members", "run_build"]
+__all__ = [
+    "BuildRequest",
+    "RayChunkBuilder",
+    "build_members",
+    "build_request",
+    "run_build",
+]
 
 
 @dataclass
@@ -251,12 +258,26 @@ def _copy(value: Any) -> Any:
     return np.array(value)
 
 
+def build_request(
+    settings: ServiceSettings, req: BuildRequest | VariantRequest
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Build what ``req`` asks for: a chunk from the source, or an augmented
+    variant of a base chunk (``variants.py``); both run in build workers."""
+    if isinstance(req, VariantRequest):
+        return build_variant(req)
+    return build_members(settings, req)
+
+
 def run_build(
-    settings_dump: dict[str, Any], req: BuildRequest
+    settings_dump: dict[str, Any], req: BuildRequest | VariantRequest
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The task body: settings travel as a plain dict."""
     import ray
 
+    if isinstance(req, VariantRequest):
+        if not isinstance(req.base, dict):
+            req.base = ray.get(req.base)  # a nested ObjectRef: mapped zero-copy
+        return build_variant(req)
     # Nested ObjectRefs are not resolved by Ray: map them here (zero-copy).
     if req.base is not None and not isinstance(req.base, dict):
         req.base = ray.get(req.base)
@@ -310,7 +331,9 @@ class RayChunkBuilder:
         )
         self._warming = [warm.remote() for _ in range(workers)]
 
-    async def build(self, req: BuildRequest) -> tuple[Any, dict[str, Any]]:
+    async def build(
+        self, req: BuildRequest | VariantRequest
+    ) -> tuple[Any, dict[str, Any]]:
         async with self._sem:
             columns_ref, report_ref = self._task.remote(self._settings, req)
             report = await report_ref

@@ -39,18 +39,20 @@ def get_preprocessor(name: str) -> Callable[[bytes], Any]:
         ) from None
 
 
-def _to_array(value: Any, url: str, field: str = "") -> np.ndarray:
+def _to_array(
+    value: Any, url: str, field: str = "", label: str = "preprocess"
+) -> np.ndarray:
     where = f"{url!r}" + (f" field {field!r}" if field else "")
     if type(value).__module__.startswith("torch"):
         value = value.detach().cpu().contiguous().numpy()
     if not isinstance(value, np.ndarray):
         raise PreprocessError(
-            f"preprocess returned {type(value).__name__} for {where}; it must return a "
+            f"{label} returned {type(value).__name__} for {where}; it must return a "
             "numpy array, a torch tensor, or a dict of them."
         )
     if value.dtype.hasobject:
         raise PreprocessError(
-            f"preprocess returned an object-dtype array for {where}; use a numeric dtype "
+            f"{label} returned an object-dtype array for {where}; use a numeric dtype "
             "(object arrays would need pickling)."
         )
     # np.ascontiguousarray would turn a 0-d scalar into shape (1,)
@@ -58,28 +60,33 @@ def _to_array(value: Any, url: str, field: str = "") -> np.ndarray:
 
 
 def run_preprocess(
-    fn: Callable[[bytes], Any], data: bytes, url: str
+    fn: Callable[..., Any],
+    data: Any,
+    url: str,
+    *extra: Any,
+    label: str = "preprocess",
 ) -> np.ndarray | dict[str, np.ndarray]:
-    """Run ``fn`` on one object's bytes and normalise the result.
+    """Run ``fn(data, *extra)`` on one object's bytes (or, for ``label="augment"``,
+    one base sample and its generator) and normalise the result.
 
     Raises:
         PreprocessError: ``fn`` raised (the message names ``url``) or returned
             something that is not an array, tensor or dict of them.
     """
     try:
-        value = fn(data)
+        value = fn(data, *extra)
     except Exception as exc:  # user code: any exception is the user's to see
         raise PreprocessError(
-            f"preprocess {getattr(fn, '__qualname__', fn)!r} raised {type(exc).__name__} "
+            f"{label} {getattr(fn, '__qualname__', fn)!r} raised {type(exc).__name__} "
             f"for {url!r}: {exc}. Nothing was cached for this object."
         ) from exc
     if isinstance(value, dict):
         if not value or not all(isinstance(k, str) for k in value):
             raise PreprocessError(
-                f"preprocess returned a dict without string keys for {url!r}."
+                f"{label} returned a dict without string keys for {url!r}."
             )
-        return {k: _to_array(v, url, k) for k, v in value.items()}
-    return _to_array(value, url)
+        return {k: _to_array(v, url, k, label) for k, v in value.items()}
+    return _to_array(value, url, label=label)
 
 
 def describe(value: np.ndarray | dict[str, np.ndarray]) -> dict[str, Any]:

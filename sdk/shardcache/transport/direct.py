@@ -269,8 +269,9 @@ class CacheClient:
 
         self.attach()
         _pickle_main_by_value(preprocess)
-        if target is not None:
-            _pickle_main_by_value(target)
+        for fn in (target, (spec.get("variants") or {}).get("augment")):
+            if fn is not None:
+                _pickle_main_by_value(fn)
         fns = (preprocess, target)
         self._installed[spec["name"]] = (spec, fns)
         try:

@@ -17,7 +17,7 @@ import numpy as np
 
 from shardcache import errors
 from shardcache.config import ClientConfig
-from shardcache.errors import EndpointUnavailable, IndexUnavailable
+from shardcache.errors import ConfigError, EndpointUnavailable, IndexUnavailable
 from shardcache.manifest import Manifest
 from shardcache.transport.wire import MAX_FDS_PER_FRAME, callable_name
 
@@ -184,7 +184,19 @@ class ProxyClient:
         target: Callable[[str], Any] | None = None,
     ) -> None:
         """Name the dataset's preprocess and target to the cache worker, which
-        imports them (see :func:`callable_name`)."""
+        imports them (see :func:`callable_name`).
+
+        Raises:
+            ConfigError: the dataset has augmented variants, which this path
+                cannot install (``augment`` travels to the stores through Ray).
+        """
+        if spec.get("variants"):
+            raise ConfigError(
+                "variants=/augment= need a process on a Ray node (torchrun on "
+                "the cache's Ray nodes, or Ray Train): augment is shipped to the "
+                "stores through Ray, and this process reads through the node's "
+                "cache worker. Apply the augmentation as transform= here instead."
+            )
         previous = self._names.get(spec["name"])
         names = (
             previous[1]

@@ -14,7 +14,7 @@ from typing import Any
 
 from shardcache.checksum import is_intact
 from shardcache.errors import BackendError
-from shardcache.keys import parse_chunk_key
+from shardcache.keys import is_variant_key, parse_chunk_key
 from shardcache_server.store.datasets import Dataset
 from shardcache_server.store.misses import MissResolver
 from shardcache_server.store.records import IndexRecords
@@ -105,8 +105,8 @@ class ContentChecks:
             self._records.event("corrupt_chunks", dataset, chunks=[chunk], repaired=[])
             return True
         index = self._records.index
-        if forwarded or index is None:
-            return False
+        if forwarded or index is None or is_variant_key(chunk):
+            return False  # a variant is built on the rank's node: never elsewhere
         try:
             (owner,) = await asyncio.to_thread(
                 index.claim_owners, dataset, generation, [chunk], self._records.me
@@ -130,6 +130,8 @@ class ContentChecks:
 
     def _forget_corrupt(self, dataset: str, chunk: str) -> None:
         self._table.evict((dataset, chunk))
+        if is_variant_key(chunk):
+            return  # never on disk
         disk = self._spill.disk if self._spill is not None else None
         if disk is not None and not disk.is_intact(dataset, chunk):
             disk.remove(dataset, chunk)
@@ -138,6 +140,8 @@ class ContentChecks:
         """Drop a corrupt chunk and build it again under the current listing;
         True if what is held now verifies."""
         self._forget_corrupt(dataset, chunk)
+        if is_variant_key(chunk):
+            return True  # dropped; the next read builds it again from the base
         ds = self._datasets.get(dataset)
         index = parse_chunk_key(chunk)
         if ds is None or index >= len(ds.manifest.layout):

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardcache.manifest import Manifest
+from shardcache.variants import VariantSpec
 from shardcache_server.builder import BuildRequest
+from shardcache_server.variants import VariantRequest
 
 __all__ = ["Builder", "Dataset", "Item", "Result"]
 
@@ -20,7 +22,9 @@ Item = tuple[str, str, int]  # (chunk key, chunk version, source bytes)
 # (Status.HIT|FETCHED|REMOTE_HIT|UNCACHED, ref) or (Status.ERROR, class, message)
 # or (Status.UNINSTALLED,) when the store lost the dataset's preprocess (restart).
 Result = tuple[Any, ...]
-Builder = Callable[[BuildRequest], Awaitable[tuple[Any, dict[str, Any]]]]
+Builder = Callable[
+    [BuildRequest | VariantRequest], Awaitable[tuple[Any, dict[str, Any]]]
+]
 
 
 @dataclass
@@ -36,3 +40,4 @@ class Dataset:
     urls: Any = ""  # the source (prefix, glob or list), to list it again
     source: Any = None  # a user's map-style Dataset (``from_dataset``), via Ray
     spec: dict[str, Any] | None = None  # as registered (``warm --like`` copies it)
+    variants: VariantSpec | None = None  # augmented variants (``variants=K``)

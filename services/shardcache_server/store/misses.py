@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shardcache.errors import BackendError, ConfigError, ShardCacheError
-from shardcache.keys import parse_chunk_key
+from shardcache.keys import is_variant_key, parse_chunk_key
 from shardcache.transport.base import Status
 from shardcache_server.builder import BuildRequest
 from shardcache_server.settings import ServiceSettings
@@ -399,7 +399,9 @@ class MissResolver:
         released: dict[str, list[str]] = defaultdict(list)
         for ds, k in evicted:
             # A chunk whose file is on this node's disk is still served from
-            # here: its entry and claim stay.
+            # here: its entry and claim stay. A variant never had either.
+            if is_variant_key(k):
+                continue
             if self._spill is None or not self._spill.has(ds, k):
                 released[ds].append(k)
         gen = self._table.generation

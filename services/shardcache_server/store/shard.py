@@ -24,6 +24,7 @@ from typing import Any
 from shardcache import keys
 from shardcache.errors import StaleVersionError
 from shardcache.transport.base import Status
+from shardcache.variants import VariantSpec, base_item
 from shardcache_server.eviction import SamplerOrder, make_policy
 from shardcache_server.index import ClusterIndex
 from shardcache_server.listing import Lister, list_in_thread, listing_budget
@@ -40,6 +41,7 @@ from shardcache_server.store.spill import Spill
 from shardcache_server.store.stats import StatsBuffer
 from shardcache_server.store.table import HeldTable
 from shardcache_server.store.upkeep import Upkeep
+from shardcache_server.store.variants import VariantBuilds
 
 __all__ = ["CacheShard", "Item", "Result"]
 
@@ -120,6 +122,9 @@ class CacheShard:
             stats=self._stats,
             peer=peer,
             build=build,
+        )
+        self._variants = VariantBuilds(
+            table=self._table, misses=self._misses, stats=self._stats, build=build
         )
         self._checks = ContentChecks(
             table=self._table,
@@ -206,6 +211,7 @@ class CacheShard:
             spec.get("urls", ""),
             spec.get("source_object"),
             {k: v for k, v in spec.items() if k not in ("order", "source_object")},
+            VariantSpec.from_install(spec.get("variants")),
         )
         return self._table.generation[name]
 
@@ -265,6 +271,10 @@ class CacheShard:
         is evicted for it), so a dataset that fits in memory ends up there,
         while one larger than the budget is read row by row from its files
         and never churns the object store.
+
+        An item whose key names an augmented variant (``c<n>.v<k>``) is
+        served by ``store/variants.py``: held, built here from the base, or
+        answered with the base form when the budget cannot hold it.
         """
         self._ensure_started()
         ds = self._datasets.get(dataset)
@@ -284,7 +294,10 @@ class CacheShard:
         if generation < known:
             retired = self._table.retired.spec(dataset, generation)
             if retired is not None:
-                return await self._misses.serve_retired(retired, generation, items)
+                # An invalidated generation is served in its base form only
+                # (the rank counts it as a fallback): its variants are gone.
+                base = [base_item(it) for it in items]
+                return await self._misses.serve_retired(retired, generation, base)
             msg = (
                 f"dataset {dataset!r} generation {generation} was invalidated; "
                 f"the current generation is {known}. Re-read the generation and retry."
@@ -306,18 +319,28 @@ class CacheShard:
             if not forwarded:
                 self._stats.add(counts, "hits")
                 self._stats.add(counts, "bytes_served", cached.nbytes)
+        # Variants are built here from the base (store/variants.py), never
+        # claimed, forwarded or written to the disk tier.
+        variants = [i for i in missed if keys.is_variant_key(items[i][0])]
+        missed = [i for i in missed if not keys.is_variant_key(items[i][0])]
         if missed and files and not forwarded and self._spill is not None:
             missed = await self._serve_files(ds, generation, items, missed, results)
-        if missed:
-            found = await self._misses.get(
-                ds, generation, [items[i] for i in missed], forwarded=forwarded
+        if missed or variants:
+            bases, views = await asyncio.gather(
+                self._misses.get(
+                    ds, generation, [items[i] for i in missed], forwarded=forwarded
+                ),
+                self._variants.get(ds, generation, [items[i] for i in variants]),
             )
-            for i, res in zip(missed, found, strict=True):
+            for i, res in zip(missed + variants, bases + views, strict=True):
                 results[i] = res
                 if not forwarded and res[0] != Status.ERROR:
-                    self._stats.add(
-                        counts, "hits" if res[0] == Status.REMOTE_HIT else "misses"
+                    # A variant built from (or answered by) a held base read
+                    # nothing from the source: a hit, as a peer's chunk is.
+                    is_hit = res[0] == Status.REMOTE_HIT or (
+                        res[0] == Status.HIT and i in variants
                     )
+                    self._stats.add(counts, "hits" if is_hit else "misses")
         return [r for r in results if r is not None]
 
     async def _serve_files(
@@ -418,6 +441,7 @@ class CacheShard:
             "generations": dict(self._table.generation),
             "dropped_stat_flushes": self._stats.dropped_flushes,
             "inflight": len(self._misses),
+            "variant_builds": len(self._variants),
             **self._table.retired.summary(),
             **(self._spill.disk.summary() if self._spill is not None else {}),
         }

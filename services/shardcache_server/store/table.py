@@ -4,17 +4,25 @@ Ownership rule: the table alone adds and removes held chunks, keeps the
 eviction policy's accounts in step with them, and knows each dataset's
 current generation; a chunk of an older generation leaves the table for
 ``retired.py`` (kept a while for ranks mid-epoch) or is freed.
+
+Augmented variants (``c<n>.v<k>``, ``store/variants.py``) share the budget
+with a rule of their own: a variant is held only in free room (it never
+evicts anything but an older copy of itself, so the variants that fit stay
+and the rest are served in their base form, without churn), and a base
+chunk that needs room takes it from the variants, oldest first, before the
+policy evicts any base chunk.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from shardcache.keys import is_variant_key
 from shardcache_server.eviction import EvictionPolicy
 from shardcache_server.store.retired import RetiredGenerations
 
@@ -45,6 +53,7 @@ class HeldTable:
         self.retired = retired
         self.generation: dict[str, int] = defaultdict(int)
         self._entries: dict[Key, Cached] = {}
+        self._variants: OrderedDict[Key, int] = OrderedDict()  # oldest first
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -73,27 +82,54 @@ class HeldTable:
     def admit(self, dataset: str, chunk: str, value: Cached) -> tuple[bool, list[Key]]:
         """Hold ``value`` if the policy finds room; returns ``(admitted, evicted)``.
 
-        Retired generations go first when the budget is short; the chunks the
-        policy evicts for room are gone from the table when this returns.
+        Retired generations go first when the budget is short, then variants;
+        the chunks the policy evicts for room are gone from the table when
+        this returns. A variant is held only in free room (see the module).
         """
-        overflow = (
-            self.policy.used_bytes
-            + self.retired.nbytes
-            + value.nbytes
-            - self.policy.budget_bytes
-        )
-        if overflow > 0:
-            self.retired.free(overflow)
-        admitted, evicted = self.policy.admit((dataset, chunk), value.nbytes)
-        for victim in evicted:
+        key = (dataset, chunk)
+        if is_variant_key(chunk):
+            if not self.variant_room(value.nbytes, replacing=key):
+                return False, []
+            evicted: list[Key] = []
+        else:
+            overflow = self._overflow(value.nbytes)
+            if overflow > 0:
+                self.retired.free(overflow)
+            evicted = self._free_variants(self._overflow(value.nbytes))
+        admitted, victims = self.policy.admit(key, value.nbytes)
+        for victim in victims:
             self.evict(victim)
         if admitted:
-            self._entries[(dataset, chunk)] = value
-        return admitted, list(evicted)
+            self._entries[key] = value
+            if is_variant_key(chunk):
+                self._variants[key] = value.nbytes
+        return admitted, evicted + list(victims)
+
+    def variant_room(self, nbytes: int, replacing: Key | None = None) -> bool:
+        """Whether a variant of ``nbytes`` fits the free room now (counting
+        the bytes of the copy it would replace)."""
+        held = self._variants.get(replacing, 0) if replacing is not None else 0
+        return self._overflow(nbytes) - held <= 0
+
+    def _overflow(self, nbytes: int) -> int:
+        """Bytes over the budget if ``nbytes`` more were held."""
+        policy = self.policy
+        return policy.used_bytes + self.retired.nbytes + nbytes - policy.budget_bytes
+
+    def _free_variants(self, overflow: int) -> list[Key]:
+        """Evict variants, oldest first, until ``overflow`` bytes are free."""
+        evicted: list[Key] = []
+        while overflow > 0 and self._variants:
+            key, nbytes = next(iter(self._variants.items()))
+            self.evict(key)
+            evicted.append(key)
+            overflow -= nbytes
+        return evicted
 
     def evict(self, key: Key) -> None:
         self.policy.remove(key)
         self._entries.pop(key, None)
+        self._variants.pop(key, None)
 
     def advance(self, dataset: str, generation: int, spec: Any | None) -> None:
         """Move to ``generation``; older values are retired (kept a while) or freed.
@@ -113,7 +149,8 @@ class HeldTable:
             if k[0] == dataset and c.generation < generation
         ]:
             c = self._entries[k]
-            self.retired.keep(dataset, c.generation, k[1], c.ref, c.etag, c.nbytes)
+            if not is_variant_key(k[1]):  # a retired generation is read as its base
+                self.retired.keep(dataset, c.generation, k[1], c.ref, c.etag, c.nbytes)
             self.evict(k)
 
     def bytes_by_dataset(self) -> dict[str, int]:

@@ -134,6 +134,8 @@ class Upkeep:
         assert index is not None
         by_ds: dict[tuple[str, int], dict[str, dict[str, Any]]] = defaultdict(dict)
         for (ds, url), c in self._table.items():
+            if keys.is_variant_key(url):
+                continue  # node-local, never in the index
             by_ds[(ds, c.generation)][url] = {
                 "etag": c.etag,
                 "nbytes": c.nbytes,
