@@ -40,6 +40,7 @@ in ``ds.stats()["variants"]["base_fallback"]``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.errors import ConfigError
-from shardcache.fingerprint import variants_fingerprint
+from shardcache.fingerprint import unstable_parts, variants_fingerprint
 from shardcache.keys import chunk_key, parse_variant_key
 from shardcache.manifest import ChunkItem
 from shardcache.picklability import check_picklable
@@ -58,6 +59,8 @@ __all__ = [
     "variant_of_epoch",
     "variant_rng",
 ]
+
+log = logging.getLogger("shardcache")
 
 VERSION_SEP = "+aug:"  # a variant chunk's version: "<base version>+aug:<fingerprint>"
 _SEED_MASK = 2**63 - 1  # numpy seeds are non-negative: a negative seed wraps
@@ -154,6 +157,15 @@ class VariantSpec:
                 "4-8 advised); one fixed augmented view belongs in preprocess."
             )
         check_picklable(augment, "augment")
+        unstable = unstable_parts(augment, "augment")
+        if unstable:
+            log.warning(
+                "shardcache: %s has no stable description (its repr holds only a "
+                "memory address), so a change inside it will not rebuild the "
+                "cached variants. When augment changes, change seed= too (a new "
+                "seed is a new set of variants).",
+                "; ".join(unstable),
+            )
         return cls(variants, int(seed), variants_fingerprint(augment, seed), augment)
 
     def of_epoch(self, epoch: int) -> int:

@@ -114,3 +114,14 @@ def test_variant_spec_survives_the_trip_to_the_stores():
     assert spec is not None
     assert VariantSpec.from_install(spec.install()) == spec
     assert VariantSpec.from_install(None) is None
+
+
+def test_an_augment_the_fingerprint_cannot_see_into_is_named_once(caplog):
+    handle = object()  # a repr with only an address, and no state
+
+    def opaque(x, rng):
+        return x if handle else x
+
+    with caplog.at_level("WARNING", logger="shardcache"):
+        VariantSpec.validate(opaque, 4, 0)
+    assert "augment" in caplog.text and "change seed=" in caplog.text
