@@ -43,10 +43,12 @@ def _epoch_rate(ds, batches, epochs: int) -> float:
     return n / t
 
 
-def _per_sample(self, chunks, chunk_ids, rows, indices):  # noqa: ANN001, ANN202
-    """``ChunkReader.samples`` as it was: one copy (``_owned``) per sample."""
+def _per_sample(chunks, chunk_ids, rows, indices, url_of):  # noqa: ANN001, ANN202
+    """``delivery.samples`` as it was: one copy (``_owned``) per sample."""
+    from shardcache.delivery import sample
+
     return [
-        self.sample(chunks[c], r, i)
+        sample(chunks[c], r, i, url_of)
         for c, r, i in zip(
             chunk_ids.tolist(), rows.tolist(), indices.tolist(), strict=True
         )
@@ -64,7 +66,7 @@ def main() -> None:
     import ray
     import torch
 
-    import shardcache.reader as reader_module
+    import shardcache.delivery as delivery
     from shardcache import DistributedCachedDataset
     from shardcache.embedded import start_redis_server
 
@@ -84,17 +86,16 @@ def main() -> None:
             ds, batch_size=args.batch, sampler=ds.sampler
         )
         batch_gather = _epoch_rate(ds, lambda: dataloader, args.epochs)
-        cls = reader_module.ChunkReader
-        gathered_samples = cls.samples
-        cls.samples = _per_sample  # the copy per sample of before
+        gathered_samples = delivery.samples
+        delivery.samples = _per_sample  # the copy per sample of before
         copies = _epoch_rate(ds, lambda: dataloader, args.epochs)
-        owned = reader_module._owned
-        reader_module._owned = torch.from_numpy  # the old zero-copy views
+        owned = delivery._owned
+        delivery._owned = torch.from_numpy  # the old zero-copy views
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             views = _epoch_rate(ds, lambda: dataloader, args.epochs)
-        reader_module._owned = owned
-        cls.samples = gathered_samples
+        delivery._owned = owned
+        delivery.samples = gathered_samples
         gathered = _epoch_rate(ds, lambda: ds.loader(args.batch), args.epochs)
     finally:
         ray.shutdown()

@@ -9,6 +9,7 @@ process: DataLoader workers make their own).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -26,9 +27,10 @@ from shardcache.job import resolve_job
 from shardcache.loader import BatchLoader
 from shardcache.resume import gather_states, merge_states
 from shardcache.sampler import ShardSampler
-from shardcache.session import RankSession, open_for_this_process
+from shardcache.session import RankSession
 from shardcache.slot import SessionSlot
 from shardcache.spec import DatasetSpec, check_source_dataset
+from shardcache.transport.read_path import open_for_this_process
 from shardcache.world import World
 
 __all__ = ["DistributedCachedDataset"]
@@ -55,14 +57,11 @@ class DistributedCachedDataset(Dataset[Any]):
         transform: per-sample augmentation on the rank, after the cache (a
             Python call per sample: prefer batch-wise augmentation on the
             collated tensor for small samples).
-        augment, variants: cache ``variants=K`` augmented views of every
-            sample, built in the stores by ``augment(sample, rng) -> sample``
-            (a numpy ``Generator`` derived from ``(seed, variant, index)``);
-            epoch ``e`` reads variant ``(e + seed % K) % K`` and the rank
-            never calls ``augment``. Views repeat every ``K`` epochs (data
-            echoing; K of 4-8 advised): see ``shardcache.variants``.
-            Changing ``augment`` or ``seed`` rebuilds the variants from the
-            cached base form only. Default to ``None`` and ``1`` (no variants).
+        augment, variants: cache ``variants=K`` views of every sample, built
+            in the stores by ``augment(sample, rng)``; epoch ``e`` reads view
+            ``(e + seed % K) % K`` and the rank never calls ``augment``. Views
+            repeat every ``K`` epochs (data echoing, K of 4-8 advised:
+            ``shardcache.variants``). Default to ``None`` and ``1``.
         storage_options: passed to fsspec (e.g. an S3 endpoint).
         name: dataset namespace in the index. Defaults to one derived from ``urls``.
         target: ``url -> label`` (a number); when set, samples are ``(x, label)``
@@ -309,12 +308,10 @@ class DistributedCachedDataset(Dataset[Any]):
         return self._slot.here()  # this process's session, renewed if stale
 
     def __getstate__(self) -> dict[str, Any]:
-        try:
-            # Workers must deal this rank's shard, not guess the world on
-            # their own (no process group there); unknowable yet is fine.
+        # Resolved before anything is pickled: workers must deal this rank's
+        # shard, not guess the world on their own (no process group there).
+        with contextlib.suppress(ConfigError):  # unknowable yet is fine
             self._sampler.rank  # noqa: B018 (resolves the world)
-        except ConfigError:
-            pass
         return self.__dict__.copy()  # the slot leaves its session behind
 
     # -- Dataset protocol -----------------------------------------------------------

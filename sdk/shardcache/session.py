@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -19,8 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from shardcache import delivery
 from shardcache.chunks import Chunk
-from shardcache.config import ClientConfig
 from shardcache.errors import (
     ConfigError,
     IndexUnavailable,
@@ -35,68 +34,15 @@ from shardcache.manifest import Manifest
 from shardcache.reader import ChunkReader
 from shardcache.sampler import ShardSampler
 from shardcache.spec import DatasetSpec
-from shardcache.transport.read_path import open_client
 from shardcache.usage import ORIGINS, UsageReader, UsageReporter
 from shardcache.waits import WaitRecorder
 from shardcache.warmup import warm_chunks
 
-__all__ = ["RankSession", "open_for_this_process"]
+__all__ = ["RankSession"]
 
 RANK_REPORT_EVERY = 50  # batches between best-effort rank reports to Redis
 STALE_RETRIES = 3  # generations a batch may try before the stores' error stands
 log = logging.getLogger("shardcache")
-
-
-def is_tuple_sample(sample: Any) -> bool:
-    """A dict whose fields are ``"(0)"``, ``"(1)"``...: a tuple a Dataset returned."""
-    return (
-        isinstance(sample, dict)
-        and bool(sample)
-        and all(
-            isinstance(k, str) and k.startswith("(") and k.endswith(")") for k in sample
-        )
-    )
-
-
-def as_tuple(sample: Any) -> Any:
-    if not is_tuple_sample(sample):
-        return sample
-    return tuple(sample[f"({i})"] for i in range(len(sample)))
-
-
-def _ray_inherited_by_fork() -> bool:
-    """In a process that is not the one that built the dataset: is Ray's
-    connection inherited (fork) rather than absent (spawn)?"""
-    ray = sys.modules.get("ray")
-    return ray is not None and bool(ray.is_initialized())
-
-
-def open_for_this_process(
-    config: ClientConfig, *, forked: bool = False, ships_objects: bool = False
-) -> Any:
-    """This process's cache client (``open_client``), checked for what it must do.
-
-    Raises:
-        ConfigError: a forked DataLoader worker would read through Ray, which
-            cannot be used after fork; or a ``from_dataset`` Dataset object
-            would have to travel to the stores on a path without Ray.
-    """
-    client = open_client(config)
-    if ships_objects and not client.needs_ray:
-        raise ConfigError(
-            "from_dataset ships the Dataset object to the cache workers through "
-            "Ray, so it needs a process on a Ray node (Ray Train, or torchrun on "
-            "the cache's Ray nodes); pods reading through the node-local endpoint "
-            "or remotely can read packed files (format=) instead."
-        )
-    if forked and client.needs_ray and _ray_inherited_by_fork():
-        raise ConfigError(
-            "this DataLoader worker was forked from a process connected to "
-            "Ray, and Ray cannot be used after fork (its calls would hang). "
-            "Pass multiprocessing_context='spawn' (or 'forkserver') to the "
-            "DataLoader, or iterate ds.loader(batch_size) in the rank."
-        )
-    return client
 
 
 def _order_of(sampler: ShardSampler) -> dict[str, Any]:
@@ -251,20 +197,21 @@ class RankSession:
         # 4. on_error="skip": a sample that could not be read or built is
         #    replaced by another of its batch (every rank keeps its steps).
         if self.spec.on_error == "skip":
-            chunk_ids, rows, idx, skipped = reader.substitute_failed(
-                chunks, chunk_ids, rows, idx
+            chunk_ids, rows, idx, skipped = delivery.substitute_failed(
+                chunks, chunk_ids, rows, idx, reader.manifest.url
             )
             if skipped:
                 self._note_skipped(skipped)
         # 5. Gather: straight into the batch tensor, unless samples go one by
         #    one (a list was asked for, or the transform runs per sample).
-        transform = self.spec.transform
+        transform, url_of = self.spec.transform, reader.manifest.url
         if collate and transform is None:
-            batch = as_tuple(reader.collate(chunks, chunk_ids, rows, idx, pin_memory))
+            batch = delivery.collate(chunks, chunk_ids, rows, idx, pin_memory, url_of)
+            batch = delivery.as_tuple(batch)
         else:
-            batch = reader.samples(chunks, chunk_ids, rows, idx)
-            if batch and is_tuple_sample(batch[0]):
-                batch = [as_tuple(s) for s in batch]
+            batch = delivery.samples(chunks, chunk_ids, rows, idx, url_of)
+            if batch and delivery.is_tuple_sample(batch[0]):
+                batch = [delivery.as_tuple(s) for s in batch]
             if transform is not None:
                 batch = [
                     self._transform(i, s)

@@ -25,8 +25,9 @@ from shardcache.manifest import Manifest
 from shardcache.resume import apply_state, current_node
 from shardcache.resume.apply import check_on_change, crossed_listing
 from shardcache.sampler import ShardSampler
-from shardcache.session import RankSession, open_for_this_process
+from shardcache.session import RankSession
 from shardcache.spec import DatasetSpec
+from shardcache.transport.read_path import open_for_this_process
 from shardcache.world import World
 
 __all__ = ["SessionSlot"]

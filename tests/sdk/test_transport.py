@@ -13,6 +13,7 @@ from shardcache.chunk_file import read_chunk_buffer, write_chunk_file
 from shardcache.chunks import FAILED
 from shardcache.config import ClientConfig
 from shardcache.decoders import raw_bytes
+from shardcache.delivery import collate
 from shardcache.errors import ConfigError, EndpointUnavailable, ShardCacheError
 from shardcache.fingerprint import fingerprint
 from shardcache.manifest import Manifest
@@ -199,7 +200,7 @@ def test_transport_a_test_double_drives_the_reader_and_statuses_count_as_origins
     indices = np.array([5, 0, 4])
     chunk_ids, rows = reader.locate(indices)
     chunks = reader.chunks_for(chunk_ids)
-    batch = reader.collate(chunks, chunk_ids, rows, indices, pin_memory=False)
+    batch = collate(chunks, chunk_ids, rows, indices, False, reader.manifest.url)
     assert batch[:, 0].tolist() == [5, 0, 4]
     assert reader.count(chunk_ids, indices)["source"] == 3  # Status.FETCHED
     reader.new_epoch()

@@ -12,12 +12,15 @@
 4. Else the Ray path (``direct.py``): a Ray node, or the embedded defaults.
 
 The dataset, sampler and reader code are the same on every path; only the
-transport differs.
+transport differs. ``open_for_this_process`` is ``open_client`` plus the two
+checks that depend on the process asking: a forked DataLoader worker cannot
+read through Ray, and ``from_dataset`` needs Ray to ship its Dataset.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from shardcache.config import ClientConfig
@@ -27,7 +30,7 @@ from shardcache.transport.flight import FlightClient
 from shardcache.transport.unix import EndpointClient, endpoint_unavailable
 from shardcache.transport.wire import DEFAULT_SOCKET
 
-__all__ = ["open_client"]
+__all__ = ["open_client", "open_for_this_process"]
 
 
 def open_client(config: ClientConfig) -> Any:
@@ -57,3 +60,38 @@ def open_client(config: ClientConfig) -> Any:
             config, DEFAULT_SOCKET, "SHARDCACHE_ENDPOINT not set and no socket mounted"
         )
     return CacheClient(config)
+
+
+def _ray_inherited_by_fork() -> bool:
+    """In a process that is not the one that built the dataset: is Ray's
+    connection inherited (fork) rather than absent (spawn)?"""
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(ray.is_initialized())
+
+
+def open_for_this_process(
+    config: ClientConfig, *, forked: bool = False, ships_objects: bool = False
+) -> Any:
+    """This process's cache client (``open_client``), checked for what it must do.
+
+    Raises:
+        ConfigError: a forked DataLoader worker would read through Ray, which
+            cannot be used after fork; or a ``from_dataset`` Dataset object
+            would have to travel to the stores on a path without Ray.
+    """
+    client = open_client(config)
+    if ships_objects and not client.needs_ray:
+        raise ConfigError(
+            "from_dataset ships the Dataset object to the cache workers through "
+            "Ray, so it needs a process on a Ray node (Ray Train, or torchrun on "
+            "the cache's Ray nodes); pods reading through the node-local endpoint "
+            "or remotely can read packed files (format=) instead."
+        )
+    if forked and client.needs_ray and _ray_inherited_by_fork():
+        raise ConfigError(
+            "this DataLoader worker was forked from a process connected to "
+            "Ray, and Ray cannot be used after fork (its calls would hang). "
+            "Pass multiprocessing_context='spawn' (or 'forkserver') to the "
+            "DataLoader, or iterate ds.loader(batch_size) in the rank."
+        )
+    return client

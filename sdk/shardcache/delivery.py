@@ -1,0 +1,203 @@
+"""What a batch's chunks become for the caller: a collated batch, or samples the caller owns.
+
+Every function here copies out of the chunks: their columns are views of
+shared memory that every process of the node maps, and ``torch.from_numpy``
+ignores numpy's read-only flag, so a view handed out would let one in-place
+op (``x.mul_(2)``) change what every other reader gets. A collated batch is
+one gather into a fresh tensor; a list of samples is that same gather handed
+out as rows; only ragged samples are copied one by one. A sample whose
+object could not be read or built is raised with the build's own error, or
+(``on_error="skip"``) stood in for by another sample of its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardcache import errors
+from shardcache.chunks import PLAIN_FIELD, Chunk, batch_shape, gather
+
+__all__ = [
+    "as_tuple",
+    "collate",
+    "is_tuple_sample",
+    "raise_failed",
+    "sample",
+    "samples",
+    "substitute_failed",
+]
+
+
+def is_tuple_sample(sample: Any) -> bool:
+    """A dict whose fields are ``"(0)"``, ``"(1)"``...: a tuple a Dataset returned."""
+    return (
+        isinstance(sample, dict)
+        and bool(sample)
+        and all(
+            isinstance(k, str) and k.startswith("(") and k.endswith(")") for k in sample
+        )
+    )
+
+
+def as_tuple(sample: Any) -> Any:
+    if not is_tuple_sample(sample):
+        return sample
+    return tuple(sample[f"({i})"] for i in range(len(sample)))
+
+
+def collate(
+    chunks: dict[int, Chunk],
+    chunk_ids: np.ndarray,
+    rows: np.ndarray,
+    indices: np.ndarray,
+    pin_memory: bool,
+    url_of: Callable[[int], str],
+) -> Any:
+    """One batch as tensors: ``(B, ...)``, a dict of them, plus targets if any."""
+    in_batch = [chunks[c] for c in chunk_ids.tolist()]
+    row_list = rows.tolist()
+    raise_failed(in_batch, row_list, indices, url_of)
+    first = in_batch[0]
+    out = {f: _gather_field(in_batch, row_list, f, pin_memory) for f in first.fields}
+    x = out[PLAIN_FIELD] if first.is_plain else out
+    if first.targets is None:
+        return x
+    targets = np.stack([c.targets[r] for c, r in zip(in_batch, row_list, strict=True)])
+    return x, torch.from_numpy(targets)
+
+
+def samples(
+    chunks: dict[int, Chunk],
+    chunk_ids: np.ndarray,
+    rows: np.ndarray,
+    indices: np.ndarray,
+    url_of: Callable[[int], str],
+) -> list[Any]:
+    """One batch as a list of samples the caller owns (``__getitems__``).
+
+    Samples of one shape are gathered in one copy into a batch tensor of
+    this call's own and handed out as its rows: a sample then costs a
+    view (~1 us) instead of a copy and a dispatch of its own, and an
+    in-place op on it changes only that private batch. Ragged samples
+    are copied one by one (:func:`sample`).
+    """
+    try:
+        gathered = collate(chunks, chunk_ids, rows, indices, False, url_of)
+    except errors.CollateError:
+        return [
+            sample(chunks[c], r, i, url_of)
+            for c, r, i in zip(
+                chunk_ids.tolist(), rows.tolist(), indices.tolist(), strict=True
+            )
+        ]
+    x, targets = gathered if isinstance(gathered, tuple) else (gathered, None)
+    if isinstance(x, dict):
+        per_field = [t.unbind(0) for t in x.values()]
+        rows_of = zip(*per_field, strict=True)
+        xs: list[Any] = [dict(zip(x, row, strict=True)) for row in rows_of]
+    else:
+        xs = list(x.unbind(0))
+    return xs if targets is None else list(zip(xs, targets.unbind(0), strict=True))
+
+
+def sample(chunk: Chunk, row: int, index: int, url_of: Callable[[int], str]) -> Any:
+    """One sample as tensors the caller owns (copies of the cached rows).
+
+    The chunk's columns are views of shared memory that every process of
+    the node maps, and ``torch.from_numpy`` ignores numpy's read-only
+    flag: a view handed out here would let one in-place op (``x.mul_``
+    in a transform) change what every other reader gets. One copy per
+    sample is the price (a memcpy plus ~1 us of dispatch; BENCHMARKS.md
+    "Read-only samples"); ``collate`` pays no extra, it copies anyway.
+    """
+    raise_failed([chunk], [row], np.array([index]), url_of)
+    value = chunk.sample(row)
+    x = (
+        {k: _owned(v) for k, v in value.items()}
+        if isinstance(value, dict)
+        else _owned(value)
+    )
+    if chunk.targets is None:
+        return x
+    return x, _owned(np.asarray(chunk.targets[row]))
+
+
+def _gather_field(
+    in_batch: list[Chunk], rows: list[int], field: str, pin_memory: bool
+) -> torch.Tensor:
+    shape = batch_shape(in_batch, rows, field)
+    probe = in_batch[0].field(field, rows[0])
+    out = torch.empty(
+        (len(rows), *shape),
+        dtype=torch.from_numpy(np.empty(0, dtype=probe.dtype)).dtype,
+        pin_memory=pin_memory,
+    )
+    gather(in_batch, rows, field, out.numpy())
+    return out
+
+
+def raise_failed(
+    in_batch: list[Chunk],
+    rows: list[int],
+    indices: np.ndarray,
+    url_of: Callable[[int], str],
+) -> None:
+    for j, (chunk, row) in enumerate(zip(in_batch, rows, strict=True)):
+        if chunk.has_failures and chunk.failed[row]:
+            kind, message = chunk.error(row) or ("RemoteFetchError", "")
+            url = url_of(int(indices[j]))
+            raise errors.error_type(kind, errors.RemoteFetchError)(
+                f"sample {int(indices[j])} ({url!r}) could not be built: {message}"
+            )
+
+
+def substitute_failed(
+    chunks: dict[int, Chunk],
+    chunk_ids: np.ndarray,
+    rows: np.ndarray,
+    indices: np.ndarray,
+    url_of: Callable[[int], str],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
+    """``on_error="skip"``: every sample whose object could not be read or
+    built is replaced by a good sample of the same batch (the next one,
+    cycling), so the batch and the epoch keep their length and every
+    rank its step count. Returns the new ``(chunk_ids, rows, indices)``
+    and the skipped sample indices.
+
+    Raises:
+        RemoteFetchError (or the build's own error): no sample of the
+            batch could be built, so there is nothing to stand in.
+    """
+    if not any(chunks[c].has_failures for c in np.unique(chunk_ids).tolist()):
+        return chunk_ids, rows, indices, []
+    failed = np.fromiter(
+        (
+            bool(chunks[c].failed[r])
+            for c, r in zip(chunk_ids.tolist(), rows.tolist(), strict=True)
+        ),
+        dtype=bool,
+        count=len(rows),
+    )
+    bad = np.flatnonzero(failed)
+    good = np.flatnonzero(~failed)
+    if len(good) == 0:
+        j = int(bad[0])
+        raise_failed([chunks[int(chunk_ids[j])]], [int(rows[j])], indices[j:], url_of)
+    stand_in = good[np.arange(len(bad)) % len(good)]
+    skipped = indices[bad].tolist()
+    chunk_ids, rows, indices = chunk_ids.copy(), rows.copy(), indices.copy()
+    chunk_ids[bad], rows[bad], indices[bad] = (
+        chunk_ids[stand_in],
+        rows[stand_in],
+        indices[stand_in],
+    )
+    return chunk_ids, rows, indices, skipped
+
+
+def _owned(view: np.ndarray) -> torch.Tensor:
+    """A tensor of the caller's own: a copy of a (read-only, shared) view."""
+    return torch.from_numpy(np.array(view, copy=True))
