@@ -433,6 +433,9 @@ def main(argv: list[str] | None = None) -> None:
     emulator, data = _prepare(args, tmp)
     systems = [s for s in args.run_systems.split(",") if s]
     results, notes = [], []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / f"jobs-{dt.datetime.now().strftime('%Y-%m-%dT%H%M')}.json"
     try:
         for source in args.sources.split(","):
             extra: dict[str, Any] = {}
@@ -460,6 +463,12 @@ def main(argv: list[str] | None = None) -> None:
                         continue
                     results.append(result)
                     print(row(result), flush=True)
+                    # Kept as it goes: a run stopped early keeps what finished.
+                    json_path.write_text(
+                        json.dumps(
+                            {"args": vars(args), "results": results}, default=str
+                        )
+                    )
     finally:
         if emulator is not None:
             emulator.stop()
@@ -468,10 +477,7 @@ def main(argv: list[str] | None = None) -> None:
     command = "scripts/bench.sh jobs " + " ".join(argv or sys.argv[1:])
     section = table(results, args, command.strip(), data, sorted(set(notes)), load)
     print(section)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now().strftime("%Y-%m-%dT%H%M")
-    (out / f"jobs-{stamp}.json").write_text(
+    json_path.write_text(
         json.dumps({"args": vars(args), "load": load, "results": results}, default=str)
     )
     if args.write:
