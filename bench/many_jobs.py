@@ -312,8 +312,12 @@ def run_jobs(run: JobsRun, emulator: Any) -> dict[str, Any]:
         store_bytes = _stop_embedded(run.home, env) if shardcache else None
     failed = [k for k, c in enumerate(codes) if c != 0]
     if failed:
-        log = (run.work / f"job{failed[0]}.log").read_text(errors="replace")
-        raise RuntimeError(f"jobs {failed} failed:\n{log[-3000:]}")
+        # The run's folder goes with the temp dir: keep the failed jobs' logs.
+        kept = Path(run.args.out) / f"failed-{run.system}-{run.source}-{run.n}"
+        kept.mkdir(parents=True, exist_ok=True)
+        for k in failed:
+            shutil.copy(run.work / f"job{k}.log", kept / f"job{k}.log")
+        raise RuntimeError(f"jobs {failed} failed; their logs are in {kept}")
     result = {
         "system": run.system,
         "source": run.source,
