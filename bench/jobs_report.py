@@ -106,8 +106,7 @@ def table(
         f"{VALUE_BYTES['images'] / 1e3:.0f} KB per sample, by every system), "
         f"{args.epochs} epochs, batch {args.batch_size}; each job is 2 gloo ranks "
         f"under `torch.distributed.run` with a {args.step_ms:g} ms step and an "
-        f"all-reduce per batch; jobs start {args.stagger_s:g} s apart. Sizes are "
-        "kept small so N=16 finishes in minutes on 2 cores.",
+        f"all-reduce per batch; jobs start {args.stagger_s:g} s apart.",
         "",
         "| source | system | N jobs | per-job samples/s min / median / max "
         "| per-job samples/s from first batch (median) | aggregate samples/s | GETs/object | jobs RssAnon GB (peak) "
