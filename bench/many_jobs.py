@@ -28,7 +28,8 @@ the time from the first launch to the last end), GETs per object, memory
 head's processes; /dev/shm growth, where Ray's object store lives; the
 bytes the stores report cached), disk bytes of the caches, the time to the
 first batch of the last job, how many earlier jobs were mid-epoch when it
-got that batch, and the samples the later jobs read from the source.
+got that batch, and the later jobs' samples not cached yet when asked
+(they waited on a source read, their own or one they joined).
 Writes ``bench/results/jobs-<date>.json``; ``--write`` puts the table in
 BENCHMARKS.md under its own heading.
 """
@@ -76,9 +77,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--jobs", default="1,4,8,16", help="comma list of N")
-    ap.add_argument(
-        "--systems", dest="run_systems", default="shardcache,plain,litdata,mosaic"
-    )
+    ap.add_argument("--systems", dest="run_systems", default=",".join(SYSTEMS))
     ap.add_argument("--sources", default="s3,local", help="comma list of: s3, local")
     ap.add_argument("--images", type=int, default=2000)
     ap.add_argument("--image-px", type=int, default=376, help="~64 KB JPEGs")
