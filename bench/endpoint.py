@@ -11,10 +11,13 @@ subprocess: ``ray`` (a Ray driver, the Ray path) or ``endpoint`` (no Ray,
 ``SHARDCACHE_ENDPOINT``). A rank reads one cold epoch, then ``--epochs``
 warm epochs with ``ds.loader(--batch-size)``; the best warm epoch counts.
 ``remote`` streams every chunk of the (warm) dataset over Flight
-(``FlightClient.resolve``) and ``socket`` copies the same number of bytes
-over a loopback TCP socket (sendall / recv_into, 4 MiB buffers). Prints one
-JSON line. Compare the warm figures: the rank that runs first (``ray``) also
-pays for starting the node's build workers in its cold epoch.
+(``FlightClient.resolve``), all in one request and then one chunk per
+request (a batch-sized transfer: ``--chunk-samples`` sets the chunk), and
+``socket`` copies the same bytes over a loopback TCP socket, as one
+transfer and as one request/reply per chunk (sendall / recv_into, 4 MiB
+buffers); each with the CPU-seconds per GB it cost. Prints one JSON line.
+Compare the warm figures: the rank that runs first (``ray``) also pays for
+starting the node's build workers in its cold epoch.
 """
 
 from __future__ import annotations
@@ -35,13 +38,21 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 ROOT = Path(__file__).resolve().parents[1]
 COPY_BUFFER_BYTES = 4 * 2**20  # per sendall / recv_into of the loopback baseline
+# The stream's dataset as the endpoint rank registered it (a file:// source).
+STREAM_SPEC = {"protocol": "file", "storage_options": {}, "chunk_bytes": 16 * 2**20}
 
 
 def _rank(mode: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """One rank: a cold epoch, then warm epochs; samples/s of each."""
     from shardcache import DistributedCachedDataset
 
-    ds = DistributedCachedDataset(cfg["url"], name=cfg["name"], rank=0, world_size=1)
+    ds = DistributedCachedDataset(
+        cfg["url"],
+        name=cfg["name"],
+        rank=0,
+        world_size=1,
+        chunk_samples=cfg["chunk_samples"],
+    )
     rates = []
     for epoch in range(cfg["epochs"] + 1):
         ds.set_epoch(epoch)
@@ -71,35 +82,72 @@ def _spawn(mode: str, cfg: dict[str, Any], env: dict[str, str]) -> dict[str, Any
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _loopback_copy(nbytes: int) -> float:
-    """GB/s of ``nbytes`` through a loopback TCP socket (one sender thread)."""
+def _loopback_copy(nbytes: int, transfers: int = 1) -> tuple[float, float]:
+    """GB/s of ``transfers`` request/reply exchanges of ``nbytes`` each over
+    one loopback TCP connection (a sender thread; the receiver fills one
+    preallocated buffer per transfer, as a client of chunk bytes would), and
+    the CPU-seconds per GB both sides spent (this process)."""
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
     payload = memoryview(bytearray(COPY_BUFFER_BYTES))
 
     def send() -> None:
         conn, _ = server.accept()
-        left = nbytes
-        while left > 0:
-            conn.sendall(payload[: min(left, COPY_BUFFER_BYTES)])
-            left -= COPY_BUFFER_BYTES
+        while conn.recv(1):  # one byte asks for one transfer
+            left = nbytes
+            while left > 0:
+                conn.sendall(payload[: min(left, COPY_BUFFER_BYTES)])
+                left -= COPY_BUFFER_BYTES
         conn.close()
 
     sender = threading.Thread(target=send)
     sender.start()
-    sink = bytearray(COPY_BUFFER_BYTES)
-    started = time.perf_counter()
+    sink = memoryview(bytearray(nbytes))
+    got = 0
     with socket.create_connection(("127.0.0.1", port)) as sock:
-        got = 0
-        while got < nbytes:
-            n = sock.recv_into(sink)
-            if not n:
-                break
-            got += n
-    elapsed = time.perf_counter() - started
+        started, cpu0 = time.perf_counter(), time.process_time()
+        for _ in range(transfers):
+            sock.sendall(b"g")
+            filled = 0
+            while filled < nbytes:
+                n = sock.recv_into(sink[filled:])
+                if not n:
+                    break
+                filled += n
+            got += filled
+        elapsed = time.perf_counter() - started
+        cpu = time.process_time() - cpu0
     sender.join()
     server.close()
-    return got / elapsed / 1e9
+    return got / elapsed / 1e9, cpu / (got / 1e9)
+
+
+def _stream(
+    client: Any, spec: dict[str, Any], per_request: int
+) -> tuple[float, float, int]:
+    """Best GB/s of 3 passes over every chunk of the dataset ``spec`` names
+    through ``client.resolve``, ``per_request`` chunks per request; the
+    CPU-seconds per GB of that pass (this process: the client and the Flight
+    server's threads), and the bytes."""
+    name = spec["name"]
+    manifest, digest = client.manifest(spec)
+    generation = client.index.generation(name)
+    items = manifest.chunk_items(range(len(manifest.layout)))
+    best, cpu_per_gb, nbytes = 0.0, 0.0, 0
+    for _ in range(3):
+        started, cpu0, nbytes = time.perf_counter(), time.process_time(), 0
+        for i in range(0, len(items), per_request):
+            chunks = client.resolve(
+                name, generation, items[i : i + per_request], digest
+            )
+            nbytes += sum(
+                int(sum(c.nbytes for c in cols.values())) for _, cols in chunks
+            )
+        rate = nbytes / (time.perf_counter() - started) / 1e9
+        if rate > best:
+            best = rate
+            cpu_per_gb = (time.process_time() - cpu0) / (nbytes / 1e9)
+    return best, cpu_per_gb, nbytes
 
 
 def main() -> None:
@@ -108,6 +156,12 @@ def main() -> None:
     parser.add_argument("--sample-bytes", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--epochs", type=int, default=3, help="warm epochs")
+    parser.add_argument(
+        "--chunk-samples",
+        type=int,
+        default=4096,
+        help="samples per chunk; the batch-sized stream moves one chunk per request",
+    )
     parser.add_argument("--rank", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank:
@@ -161,7 +215,12 @@ def main() -> None:
     base_env["PYTHONPATH"] = f"{ROOT / 'sdk'}:{ROOT / 'services'}"
     base_env["SHARDCACHE_NAMESPACE"] = "bench"
     url = f"file://{data}/"
-    cfg = {"url": url, "epochs": args.epochs, "batch_size": args.batch_size}
+    cfg = {
+        "url": url,
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "chunk_samples": args.chunk_samples,
+    }
     try:
         ray_rank = _spawn(
             "ray",
@@ -178,7 +237,8 @@ def main() -> None:
             {**cfg, "name": "bench-endpoint"},
             {**base_env, "SHARDCACHE_ENDPOINT": settings.endpoint_socket},
         )
-        # The remote stream: every chunk of the (now warm) endpoint dataset.
+        # The remote stream: every chunk of the (now warm) endpoint dataset,
+        # all in one request (up to 128 chunks) and one chunk per request.
         client = FlightClient(
             ClientConfig(
                 namespace="bench",
@@ -187,26 +247,18 @@ def main() -> None:
             )
         )
         spec = {
+            **STREAM_SPEC,
             "name": "bench-endpoint",
             "urls": url,
-            "protocol": "file",
-            "storage_options": {},
-            "chunk_bytes": 16 * 2**20,
-            "chunk_samples": 4096,
+            "chunk_samples": args.chunk_samples,
         }
-        manifest, digest = client.manifest(spec)
-        generation = client.index.generation("bench-endpoint")
-        items = manifest.chunk_items(range(len(manifest.layout)))
-        best = 0.0
-        for _ in range(3):
-            started = time.perf_counter()
-            chunks = client.resolve("bench-endpoint", generation, items, digest)
-            elapsed = time.perf_counter() - started
-            nbytes = sum(
-                int(sum(c.nbytes for c in cols.values())) for _, cols in chunks
-            )
-            best = max(best, nbytes / elapsed / 1e9)
-        loopback = max(_loopback_copy(nbytes) for _ in range(3))
+        whole, whole_cpu, nbytes = _stream(client, spec, 128)
+        per_chunk, per_chunk_cpu, _ = _stream(client, spec, 1)
+        chunks = -(-args.samples // args.chunk_samples)
+        loopback, loopback_cpu = max(_loopback_copy(nbytes) for _ in range(3))
+        loopback_per_chunk, loopback_per_chunk_cpu = max(
+            _loopback_copy(nbytes // chunks, chunks) for _ in range(3)
+        )
         print(
             json.dumps(
                 {
@@ -215,9 +267,20 @@ def main() -> None:
                     "batch_size": args.batch_size,
                     "ray_path": ray_rank,
                     "endpoint": endpoint_rank,
-                    "remote_stream_gb_per_s": round(best, 3),
+                    "remote_stream_gb_per_s": round(whole, 3),
                     "loopback_socket_gb_per_s": round(loopback, 3),
                     "stream_bytes": nbytes,
+                    "chunk_bytes": nbytes // chunks,
+                    "remote_per_chunk_gb_per_s": round(per_chunk, 3),
+                    "loopback_per_chunk_gb_per_s": round(loopback_per_chunk, 3),
+                    # CPU-seconds per GB moved (both ends, this process): the
+                    # figure that holds when other work shares the cores.
+                    "cpu_s_per_gb": {
+                        "remote_stream": round(whole_cpu, 3),
+                        "loopback_socket": round(loopback_cpu, 3),
+                        "remote_per_chunk": round(per_chunk_cpu, 3),
+                        "loopback_per_chunk": round(loopback_per_chunk_cpu, 3),
+                    },
                     "cpus": os.cpu_count(),
                 }
             )

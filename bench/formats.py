@@ -202,17 +202,6 @@ def _table(rows: list[dict[str, Any]], command: str, samples: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else ""
-    if HEADING in text:
-        head, _, rest = text.partition(HEADING)
-        tail = rest.split("\n## ", 1)
-        text = head + section + ("\n## " + tail[1] if len(tail) > 1 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=2048)
@@ -250,7 +239,9 @@ def main(argv: list[str] | None = None) -> None:
     section = _table(rows, command.strip(), args.samples)
     print(section)
     if args.write:
-        _write(ROOT / "BENCHMARKS.md", section)
+        from report import write_section
+
+        write_section(ROOT / "BENCHMARKS.md", HEADING, section)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
-STORE_CLASS = "RayCacheShard"  # the shardcache store actor's class name (store/actor.py)
+STORE_CLASS = (
+    "RayCacheShard"  # the shardcache store actor's class name (store/actor.py)
+)
 RANK_CLASS = "RayRank"  # bench/ranks.py: the Ray-hosted ranks, counted as ranks
 # Worker titles that hold nothing for the system under test: idle pooled
 # workers, the ranks (counted as ranks), Ray's own per-node agents.
@@ -154,3 +157,25 @@ def machine_busy_s() -> float:
         fields = [int(x) for x in f.readline().split()[1:]]
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def shm_used() -> int:
+    """Bytes in use on /dev/shm (tmpfs), where Ray's object store lives."""
+    st = os.statvfs("/dev/shm")
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def available_bytes() -> int:
+    """``MemAvailable`` of the machine, in bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def disk_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 when it is gone)."""
+    if not path.exists():
+        return 0
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

@@ -52,7 +52,7 @@ def out_dir(cfg: dict[str, Any]) -> str:
     return f"{cfg['tmp']}/mosaic-out-{cfg['namespace']}"  # per run: starts cold
 
 
-def _s3_env(cfg: dict[str, Any]) -> None:
+def s3_env(cfg: dict[str, Any]) -> None:
     """Mosaic's S3 client (boto3) reads the endpoint from the environment."""
     os.environ.update(
         S3_ENDPOINT_URL=cfg["endpoint"],
@@ -77,7 +77,7 @@ def convert(cfg: dict[str, Any]) -> None:
     else:
         import boto3
 
-        _s3_env(cfg)
+        s3_env(cfg)
         s3 = boto3.client("s3", endpoint_url=cfg["endpoint"])
 
         def load(url: str) -> np.ndarray:
@@ -103,7 +103,7 @@ def run_rank(cfg: dict[str, Any], rank: int) -> list[dict[str, Any]]:
     from streaming import StreamingDataLoader, StreamingDataset
 
     if cfg["source"] != "local":
-        _s3_env(cfg)
+        s3_env(cfg)
     per_node = cfg["ranks_per_node"]
     node = rank // per_node
     # Mosaic reads the layout from the torchrun environment.

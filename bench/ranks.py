@@ -198,7 +198,6 @@ def _init_group(rank: int, cfg: dict[str, Any]) -> None:
 def run_torch_rank(system: str, rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """A rank of a system without Ray: plain loader, Manager dict, simplecache, LitData."""
     import torch.distributed as dist
-    from torch.utils.data import DataLoader, DistributedSampler
 
     from systems import (
         FileDataset,
@@ -246,17 +245,7 @@ def run_torch_rank(system: str, rank: int, cfg: dict[str, Any]) -> list[dict[str
         ds = ManagerDictDataset(urls, opts, pre, manager.dict())
     manager_pid = manager._process.pid if manager is not None else None
     manager_anon0 = rss_anon(manager_pid) if manager_pid else 0
-    sampler = DistributedSampler(
-        ds, num_replicas=cfg["world"], rank=rank, shuffle=True, seed=0
-    )
-    loader = DataLoader(
-        ds,
-        batch_size=cfg["batch_size"],
-        sampler=sampler,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        multiprocessing_context="fork" if workers else None,
-    )
+    loader, sampler = distributed_loader(ds, cfg, rank)
     rows = measure_epochs(
         system,
         rank,
@@ -277,6 +266,27 @@ def run_torch_rank(system: str, rank: int, cfg: dict[str, Any]) -> list[dict[str
         manager.shutdown()
     dist.destroy_process_group()
     return rows
+
+
+def distributed_loader(ds: Any, cfg: dict[str, Any], rank: int) -> tuple[Any, Any]:
+    """What most people write around a map-style Dataset: a shuffling
+    ``DistributedSampler`` and ``DataLoader(num_workers=cfg["workers"])``
+    (forked workers, persistent across epochs). Returns (loader, sampler)."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    workers = cfg["workers"]
+    sampler = DistributedSampler(
+        ds, num_replicas=cfg["world"], rank=rank, shuffle=True, seed=0
+    )
+    loader = DataLoader(
+        ds,
+        batch_size=cfg["batch_size"],
+        sampler=sampler,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        multiprocessing_context="fork" if workers else None,
+    )
+    return loader, sampler
 
 
 def shardcache_batches(

@@ -239,6 +239,20 @@ def _intro(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def write_section(path: Path, heading: str, section: str) -> None:
+    """Put ``section`` (which starts with ``heading``) in the Markdown file at
+    ``path``: in place of the section under the same heading, else at the end.
+    For the scenarios that write one table of their own (formats, many jobs)."""
+    text = path.read_text() if path.exists() else ""
+    if heading in text:
+        head, _, rest = text.partition(heading)
+        tail = rest.split("\n## ", 1)
+        text = head + section + ("\n## " + tail[1] if len(tail) > 1 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
+
+
 def write_report(report: dict[str, Any], md_path: Path, png_path: Path) -> None:
     summary = summarise(report)
     lines = _intro(report)

@@ -4,6 +4,7 @@
 # run, on an emulated S3 and on page-cached local files. Writes
 # bench/results/<date>T<time>.json (+ .png) and BENCHMARKS.md (--out DIR: there).
 # --quick writes to a temp dir; --systems picks systems (bench/README.md).
+# Scenarios with a table of their own: `formats` and `jobs` (below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # `scripts/bench.sh formats [--write]`: bytes each packed format reads from S3
@@ -26,4 +27,8 @@ if [ ! -x .venv-mosaic/bin/python ] || ! .venv-mosaic/bin/python -c "import stre
         "mosaicml-streaming>=0.11" boto3 psutil numpy pillow \
         || echo "note: Mosaic Streaming could not be installed; the table will say so"
 fi
+# `scripts/bench.sh jobs [--jobs 1,4,8,16] [--write]`: N concurrent training
+# jobs on one dataset on one node, beside plain DataLoaders and LitData
+# (bench/many_jobs.py); uses what the lines above installed.
+if [ "${1:-}" = "jobs" ]; then shift; exec .venv/bin/python bench/many_jobs.py "$@"; fi
 exec .venv/bin/python bench/run.py "$@"

@@ -448,3 +448,37 @@ def test_endpoint_rank_reads_on_across_a_cache_worker_crash_and_restart(
     # The new pod's store started empty: each object was read once more, by it.
     assert s3.total_gets == 2 * OBJECTS
     assert all(n == 2 for n in s3.gets.values())
+
+
+def test_flight_mappings_send_a_rewritten_chunk_file_anew_and_drop_handed_over_ones(
+    tmp_path,
+):
+    """The Flight server keeps chunk files mapped between requests; what it
+    sends is still byte for byte the file under the name at request time."""
+    import numpy as np
+
+    from shardcache.chunk_file import write_chunk_file
+    from shardcache_server.endpoint.flight import _Mappings
+
+    mappings = _Mappings(max_files=2)
+    path = tmp_path / "c.chunk"
+    write_chunk_file(path, {"_": np.arange(64, dtype=np.int64)})
+    first = path.read_bytes()
+    assert mappings.buffer(path, unlink=False).to_pybytes() == first
+    assert mappings.buffer(path, unlink=False).to_pybytes() == first  # kept mapped
+    # Rewritten under its name (a new file renamed in, as ShmFiles does).
+    write_chunk_file(path, {"_": np.arange(64, dtype=np.int64) * 3})
+    assert path.read_bytes() != first
+    assert mappings.buffer(path, unlink=False).to_pybytes() == path.read_bytes()
+    # A file handed over once is sent, then gone.
+    once = tmp_path / "u1.chunk"
+    write_chunk_file(once, {"_": np.ones(8, dtype=np.uint8)})
+    expected = once.read_bytes()
+    assert mappings.buffer(once, unlink=True).to_pybytes() == expected
+    assert not once.exists()
+    # At most max_files stay mapped.
+    for k in range(4):
+        other = tmp_path / f"o{k}.chunk"
+        write_chunk_file(other, {"_": np.full(8, k, dtype=np.uint8)})
+        assert mappings.buffer(other, unlink=False).to_pybytes() == other.read_bytes()
+    assert len(mappings._mapped) == 2

@@ -95,14 +95,31 @@ class UserMachine:
         """``python -m torch.distributed.run --nproc_per_node=N script``: the
         static form a multi-node launch uses (run id ``none``), on a free
         master port so consecutive jobs never share a store."""
-        return self.python(
-            "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-            "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-            str(script), *args, **kw,
-        )  # fmt: skip
+        return self.python(*_torchrun(script, nproc), *args, **kw)
+
+    def start_torchrun(
+        self, script: Path | str, *args: str, log: Path, nproc: int = 2
+    ) -> subprocess.Popen[bytes]:
+        """:meth:`torchrun` started in the background (jobs that overlap), its
+        output going to ``log`` (a pipe nobody reads would fill and block it)."""
+        with open(log, "wb") as out:
+            return subprocess.Popen(
+                [sys.executable, *_torchrun(script, nproc), *args],
+                cwd=self.workdir,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
 
     def shardcache(self, *args: str, **kw) -> subprocess.CompletedProcess[str]:
         return self.python("-m", "shardcache_server.cli", *args, **kw)
+
+
+def _torchrun(script: Path | str, nproc: int) -> list[str]:
+    return [
+        "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script),
+    ]  # fmt: skip
 
 
 def after_the_demo(home: Path) -> None:

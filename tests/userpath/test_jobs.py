@@ -1,5 +1,6 @@
 """Jobs on the user's path: a new job sees today's data, every run is its own
-job, and its numbers reach the dashboard with no ``close()``.
+job, its numbers reach the dashboard with no ``close()``, and jobs that
+overlap read each object from the source once in all.
 
 The script is the README's, started the way the README starts it: plain
 ``torchrun`` (run id ``none``), no ``job=``, no ``close()``, embedded
@@ -66,6 +67,37 @@ if __name__ == "__main__":
         multiprocessing_context="spawn")
     n = sum(len(batch) for batch in loader)
     print(json.dumps({"delivered": n}))
+"""
+
+
+STAGGERED = """
+import io, json, sys, time
+from pathlib import Path
+import numpy as np
+import torch
+from shardcache import DistributedCachedDataset
+
+def load_npy(data):
+    return np.load(io.BytesIO(data))
+
+url, options, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+pause_at = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None  # [epoch, step]
+ds = DistributedCachedDataset(url, preprocess=load_npy, storage_options=options,
+                              chunk_samples=16)
+loader = torch.utils.data.DataLoader(ds, batch_size=16, sampler=ds.sampler)
+seen = {}
+for epoch in range(3):
+    ds.set_epoch(epoch)
+    for step, batch in enumerate(loader):
+        for row in batch:
+            seen.setdefault(int(row[1]), []).append(int(row[0]))
+        if [epoch, step] == pause_at:  # mid-epoch: the test starts other jobs
+            Path(f"{out}.{ds.rank}.paused").touch()
+            while not Path(f"{out}.go").exists():
+                time.sleep(0.05)
+stats = ds.stats()
+with open(f"{out}.{ds.rank}.json", "w") as f:
+    json.dump({"seen": seen, "hits": stats["hits"], "misses": stats["misses"]}, f)
 """
 
 
@@ -292,3 +324,61 @@ def test_a_job_that_cannot_revalidate_stops_unless_it_opted_out(
     assert _lines(user.python(str(script), url, json.dumps(down), "never")) == [
         {"n": 16, "first": 0}
     ]
+
+
+def _wait_for(paths: list[Path], jobs: list[subprocess.Popen[bytes]]) -> None:
+    deadline = time.monotonic() + 300  # the first job starts the Ray head
+    while not all(p.exists() for p in paths):
+        assert all(j.poll() in (None, 0) for j in jobs), [j.args for j in jobs]
+        assert time.monotonic() < deadline, f"timed out waiting for {paths}"
+        time.sleep(0.1)
+
+
+def test_staggered_jobs_read_each_object_once_and_later_jobs_start_from_the_cache(
+    user, s3, s3fs_client, bucket
+):
+    """Three jobs on one dataset, each started while the earlier ones are
+    mid-epoch: every object is read from S3 once in all, and the job that
+    starts once the data is cached reads its first epoch from the cache."""
+    for i in range(OBJECTS):
+        _put(s3fs_client, bucket, i, i)
+    url, options = f"s3://{bucket}/train/", json.dumps(s3.storage_options())
+    script = user.write("staggered.py", STAGGERED)
+    out = {name: user.workdir / name for name in ("a", "b", "c")}
+
+    def start(name: str, *pause: str) -> subprocess.Popen[bytes]:
+        log = user.workdir / f"{name}.log"
+        return user.start_torchrun(
+            script, url, options, str(out[name]), *pause, log=log
+        )
+
+    # A pauses in its first epoch, after 3 of its 8 batches per rank.
+    a = start("a", "[0, 2]")
+    _wait_for([Path(f"{out['a']}.{r}.paused") for r in (0, 1)], [a])
+    # B starts while A is mid-epoch: it reads its first epoch (the chunks A
+    # has not read yet among them) and pauses in its second.
+    b = start("b", "[1, 2]")
+    _wait_for([Path(f"{out['b']}.{r}.paused") for r in (0, 1)], [a, b])
+    # C starts while both are mid-epoch and runs to its end.
+    c = start("c")
+    assert c.wait(timeout=300) == 0, (user.workdir / "c.log").read_text()[-4000:]
+    for name in ("a", "b"):
+        Path(f"{out[name]}.go").touch()
+    for name, job in (("a", a), ("b", b)):
+        assert job.wait(timeout=300) == 0, (user.workdir / f"{name}.log").read_text()[
+            -4000:
+        ]
+
+    assert s3.total_gets == OBJECTS  # three jobs, counted at the S3 server
+    assert set(s3.gets.values()) == {1}
+    for name in out:
+        ranks = [json.loads(Path(f"{out[name]}.{r}.json").read_text()) for r in (0, 1)]
+        seen: dict[int, list[int]] = {}
+        for r in ranks:
+            for k, values in r["seen"].items():
+                seen.setdefault(int(k), []).extend(values)
+        # Every sample, three epochs, its own value.
+        assert seen == {i: [i] * 3 for i in range(OBJECTS)}, name
+        if name == "c":  # its first epoch came from the cache
+            assert [r["misses"] for r in ranks] == [0, 0]
+            assert sum(r["hits"] for r in ranks) == 3 * OBJECTS
