@@ -4,12 +4,20 @@
 # run, on an emulated S3 and on page-cached local files. Writes
 # bench/results/<date>T<time>.json (+ .png) and BENCHMARKS.md (--out DIR: there).
 # --quick writes to a temp dir; --systems picks systems (bench/README.md).
-# Scenarios with a table of their own: `formats` and `jobs` (below).
+# Scenarios with a table of their own: `formats`, `cold`, `gpu` and `jobs` (below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # `scripts/bench.sh formats [--write]`: bytes each packed format reads from S3
 # per file byte (bench/formats.py); needs nothing the comparison installs.
 if [ "${1:-}" = "formats" ]; then shift; exec .venv/bin/python bench/formats.py "$@"; fi
+# `scripts/bench.sh cold`: epoch 1 on the README's DataLoader path against
+# DataLoader(num_workers=2) over the same .npy files (bench/cold_readme.py);
+# `scripts/bench.sh gpu`: time to a normalised batch on the GPU (bench/gpu.py;
+# prints "skipped" where there is no CUDA device).
+case "${1:-}" in
+    cold) shift; PYTHONPATH=sdk:services:bench exec .venv/bin/python bench/cold_readme.py "$@" ;;
+    gpu) shift; PYTHONPATH=sdk:services:bench exec .venv/bin/python bench/gpu.py "$@" ;;
+esac
 bash scripts/bootstrap.sh
 # torch stays pinned so no competitor pulls another build. PyPI's torchvision
 # fails against the CPU torch 2.13.0 here, so LitData goes in without its
