@@ -5,12 +5,29 @@ Every test here starts a script file the way the README shows it:
 ``python train.py``) with the default environment: no ``--rdzv-id`` (so
 torchrun's run id is ``none`` in the static form), no ``job=``, no
 ``close()``, embedded defaults (``redis_url=None``, ``ray_address=None``).
-Each test gets a HOME of its own in the state a user's machine is in after
-``scripts/demo.sh`` has run once: ``~/.ray/auth_token`` exists (any local
-``ray.init()`` writes it), and nothing of the demo is left running. At the
-end, ``shardcache local stop`` under that HOME stops what the scripts
-started. The S3 source is the session's moto server, reached through the
+The S3 source is the session's moto server, reached through the
 ``storage_options`` the README shows.
+
+Two fixtures give a test a user's machine (a :class:`UserMachine`):
+
+``user`` (the default; use it unless the test is about the cold start)
+    The machine of this test *module*: one HOME per module, in the state a
+    user's machine is in after ``scripts/demo.sh`` has run once
+    (``~/.ray/auth_token`` exists, nothing of the demo is left running),
+    and a working directory of the test's own. The module's first script
+    starts the embedded Redis and Ray head, as a user's first script does;
+    every later script, in this test or the next, finds them running, as
+    every script after a user's first does. ``shardcache local stop``
+    under that HOME runs once, after the module's last test, and after any
+    test that failed (so one broken head never fails the tests after it).
+    What the module's tests share is therefore one cache: give datasets
+    names (buckets, folders, ``name=``) of their own per test, and count
+    GETs, jobs and samples for what the test itself ran.
+
+``fresh_user``
+    A HOME of the test's own, after the demo, stopped at the end of the
+    test: for tests of the cold start itself, ``local stop``, tokens and
+    auth (``test_embedded_ray.py``), which must start their own head.
 """
 
 from __future__ import annotations
@@ -132,14 +149,64 @@ def after_the_demo(home: Path) -> None:
     token.chmod(0o600)
 
 
-@pytest.fixture
-def user(tmp_path: Path) -> Iterator[UserMachine]:
-    """A user's machine after the demo ran once; stops what the scripts started."""
-    home = tmp_path / "home"
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Iterator[pytest.TestReport]:
+    report = yield
+    if report.failed:  # in set-up or the run: the head may be why
+        item.stash[_FAILED] = True
+    return report
+
+
+def _machine(root: Path) -> UserMachine:
+    """A user's machine under ``root`` after the demo ran once."""
+    home = root / "home"
     home.mkdir()
     after_the_demo(home)
+    workdir = root / "work"
+    workdir.mkdir()
+    return UserMachine(home, workdir)
+
+
+def _stop(machine: UserMachine) -> None:
+    """``shardcache local stop`` under the machine's HOME."""
+    machine.shardcache("local", "stop", timeout=60)
+
+
+@pytest.fixture(scope="module")
+def module_machine(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[UserMachine]:
+    """The HOME the ``user`` fixture shares across a test module; its
+    embedded Redis and Ray head are stopped after the module's last test."""
+    machine = _machine(tmp_path_factory.mktemp("user"))
+    yield machine
+    _stop(machine)
+
+
+@pytest.fixture
+def user(
+    module_machine: UserMachine, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[UserMachine]:
+    """A user's machine after the demo ran once, shared by the test module
+    (see the module docstring): the module's HOME and a working directory
+    of this test's own. After a failed test, what the scripts started is
+    stopped, so the next test starts from the demo's state again."""
     workdir = tmp_path / "work"
     workdir.mkdir()
-    machine = UserMachine(home, workdir)
+    yield UserMachine(module_machine.home, workdir)
+    if request.node.stash.get(_FAILED, False):
+        _stop(module_machine)
+
+
+@pytest.fixture
+def fresh_user(tmp_path: Path) -> Iterator[UserMachine]:
+    """A user's machine after the demo ran once, of this test alone: its
+    first script starts Redis and the Ray head cold; stopped at the end."""
+    machine = _machine(tmp_path)
     yield machine
-    machine.shardcache("local", "stop", timeout=60)
+    _stop(machine)

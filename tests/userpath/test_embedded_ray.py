@@ -1,8 +1,9 @@
 """The embedded Ray head as a user meets it: first try, private, loopback only.
 
 Every script here runs as ``python train.py`` with embedded defaults under a
-HOME of its own, after the demo (``~/.ray/auth_token`` exists), unless a test
-removes that file.
+HOME of the test's own (``fresh_user``: no head shared with another test, since
+these are about the cold start), after the demo (``~/.ray/auth_token``
+exists), unless a test removes that file.
 """
 
 from __future__ import annotations
@@ -47,6 +48,14 @@ TRAIN = """
                     if c.status == psutil.CONN_LISTEN],
     }))
 """
+
+
+@pytest.fixture
+def user(fresh_user):
+    """A HOME of this test's own: each test here starts its head cold."""
+    return fresh_user
+
+
 # What a user must not see on a run that worked.
 NOISE = re.compile(r"InvalidAuthToken|Token authentication|Traceback|auth_token")
 
