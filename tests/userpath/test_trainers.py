@@ -180,7 +180,11 @@ def test_trainers_hugging_face_trainer_reads_each_ranks_shard(user):
         assert sorted(union) == list(range(base, base + SAMPLES)), f"epoch {e}"
 
 
-def test_trainers_ray_train_delivers_every_sample_once(user):
+def test_trainers_ray_train_delivers_every_sample_once(fresh_user):
+    # TorchTrainer.fit() starts a Ray cluster of its own, where the ranks
+    # start their stores: a HOME of its own too, so its Redis knows no store
+    # of the module's embedded head.
+    user = fresh_user
     base = 7000
     env, out = make_data(user, "raytrain", base)
     # Ray Train starts a Ray head and its workers: more than a torchrun script.
