@@ -78,7 +78,6 @@ class ChunkReader:
         self._origin: dict[int, str] = {}
         self._sourced: dict[int, np.ndarray] = {}  # partial rebuilds' source rows
         self._disk_sampled: set[int] = set()  # disk-tier files checked this epoch
-        self._counted: set[int] = set()  # chunks with samples delivered this epoch
         self._pending: dict[int, Future[None]] = {}
         self.saw_uncached = False  # the stores could not cache a chunk this generation
         self._background: ThreadPoolExecutor | None = None
@@ -129,32 +128,22 @@ class ChunkReader:
         self._transient_bytes = 0
         self._origin.clear()
         self._sourced.clear()
-        self._counted.clear()
         self._pending.clear()
 
     def new_epoch(self) -> None:
-        """Held chunks delivered last epoch are local from now on: their
-        samples count as local hits.
+        """Held chunks are local from now on: their samples count as local hits.
 
-        A held chunk none of whose samples was delivered yet (a look-ahead
-        fetch that finished just before ``set_epoch``) keeps its origin: its
-        source read is counted once, when its samples are delivered. Chunks
-        kept only for the coming batches (the stores did not cache them) are
-        dropped: the next epoch asks the stores again, so their eviction
-        policy, not this process, decides what stays.
+        Chunks kept only for the coming batches (the stores did not cache
+        them) are dropped: the next epoch asks the stores again, so their
+        eviction policy, not this process, decides what stays.
         """
         with self._lock:
             # A held chunk mapped from the disk tier is still read from there.
-            origin = {c: self._origin.get(c, "local") for c in self._held}
-            for c in self._counted.intersection(origin):
-                origin[c] = "disk" if origin[c] == "disk" else "local"
-            self._origin = origin
-            self._sourced = {
-                c: rows
-                for c, rows in self._sourced.items()
-                if c in self._held and c not in self._counted
+            self._origin = {
+                c: "disk" if self._origin.get(c) == "disk" else "local"
+                for c in self._held
             }
-            self._counted.clear()
+            self._sourced.clear()
             self._disk_sampled.clear()
             self._transient.clear()
             self._transient_bytes = 0
@@ -200,7 +189,6 @@ class ChunkReader:
         sizes = self.manifest.sample_bytes(indices, chunk_ids)
         batch = dict.fromkeys(self.counts, 0)
         for c, n, nbytes in _per_chunk(chunk_ids, sizes):
-            self._counted.add(c)
             if self.variant is not None:
                 form = "base_fallback" if c in self._fallback else "variant_samples"
                 self.variant_counts[form] += n

@@ -208,22 +208,6 @@ def test_transport_a_test_double_drives_the_reader_and_statuses_count_as_origins
     assert transport.calls == [["c0", "c1"]]  # one call for the batch's chunks
 
 
-def test_transport_a_chunk_fetched_ahead_but_not_delivered_keeps_its_source_origin():
-    # A look-ahead fetch that finishes just before set_epoch: its chunk was
-    # read from the source, and that read is counted once, when the chunk's
-    # samples are delivered in the new epoch (not turned into a local hit).
-    _, reader = _two_chunk_reader()
-    first, ahead = np.array([0, 1, 2]), np.array([3, 4, 5])
-    reader.chunks_for(reader.locate(np.concatenate([first, ahead]))[0])
-    assert reader.count(reader.locate(first)[0], first)["source"] == 3
-    reader.new_epoch()  # c0 was delivered, c1 only fetched
-    counts = reader.count(reader.locate(ahead)[0], ahead)
-    assert (counts["source"], counts["local"]) == (3, 0)
-    reader.new_epoch()  # now both were delivered: local from here on
-    both = np.concatenate([first, ahead])
-    assert reader.count(reader.locate(both)[0], both)["local"] == 6
-
-
 def test_transport_an_error_crosses_the_wire_as_its_own_type_and_never_as_a_builtin():
     from shardcache.errors import BackendError, SourceNotFound
     from shardcache.transport.wire import error_reply, raise_reply_error
