@@ -30,29 +30,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from cold_readme import _Files, _write  # the same files and plain baseline
 
-SHAPE = (3, 224, 224)  # uint8: 150 KB per image
-
-
-def _write(folder: Path, n: int) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    for i in range(n):
-        np.save(folder / f"{i:06d}.npy", np.full(SHAPE, i % 251, np.uint8))
-
-
-class _Files:
-    """The plain baseline: a map-style dataset that ``np.load``s each file."""
-
-    def __init__(self, folder: Path):
-        self.paths = sorted(folder.glob("*.npy"))
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, i: int):  # noqa: ANN204 (a tensor)
-        import torch
-
-        return torch.from_numpy(np.load(self.paths[i]))
+IMAGE_BYTES = 3 * 224 * 224  # (3, 224, 224) uint8: 150 KB per image
 
 
 def _timed(batches, to_device, step) -> dict[str, float]:  # noqa: ANN001
@@ -109,7 +89,7 @@ def main() -> None:
             a @ a  # noqa: B018
 
     try:
-        _write(work / "data", args.samples)
+        _write(work / "data", args.samples, IMAGE_BYTES)
         ds = DistributedCachedDataset(f"file://{work / 'data'}/*.npy")
         out: dict[str, object] = {
             "device": torch.cuda.get_device_name(0),
