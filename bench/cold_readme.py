@@ -95,7 +95,9 @@ def plain(folder: Path, batch: int, epochs: int, workers: int) -> list[dict[str,
     return _epochs(loader, epochs)
 
 
-def cache(folder: Path, batch: int, epochs: int, running: bool) -> dict[str, object]:
+def cache(
+    folder: Path, batch: int, epochs: int, running: bool, chunk_bytes: int | None = None
+) -> dict[str, object]:
     """The README's loop, in this process (run as a subprocess by main).
 
     ``running``: first read a small other dataset once, so the embedded head
@@ -114,7 +116,8 @@ def cache(folder: Path, batch: int, epochs: int, running: bool) -> dict[str, obj
             pass
     started = time.perf_counter()
 
-    ds = DistributedCachedDataset(f"file://{folder}/*.npy")
+    extra = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
+    ds = DistributedCachedDataset(f"file://{folder}/*.npy", **extra)
     built = time.perf_counter() - started
     loader = torch.utils.data.DataLoader(ds, batch_size=batch, sampler=ds.sampler)
     timed = _epochs(loader, epochs, ds.set_epoch)
@@ -135,6 +138,7 @@ def _run_cache(
     cmd = [sys.executable, __file__, "--cache-only", str(folder)]
     cmd += ["--batch", str(args.batch), "--epochs", str(args.epochs)]
     cmd += ["--running"] if system == "cache_running" else []
+    cmd += ["--chunk-bytes", str(args.chunk_bytes)] if args.chunk_bytes else []
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
@@ -158,11 +162,16 @@ def main() -> None:
         help="plain; cache: the first script on the machine (starts the "
         "embedded head); cache_running: the cache already running",
     )
+    parser.add_argument(
+        "--chunk-bytes", type=int, default=0, help="the cache's chunk_bytes (0: default)"
+    )
     parser.add_argument("--cache-only", help=argparse.SUPPRESS)  # the subprocess
     parser.add_argument("--running", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cache_only:
-        out = cache(Path(args.cache_only), args.batch, args.epochs, args.running)
+        out = cache(
+            Path(args.cache_only), args.batch, args.epochs, args.running, args.chunk_bytes
+        )
         print(json.dumps(out))
         return
     work = Path(tempfile.mkdtemp(prefix="cold-readme-"))

@@ -39,6 +39,17 @@ def decode_npy(data: bytes) -> np.ndarray:
     >>> decode_npy(buf.getvalue()).tolist()
     [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
     """
+    array = npy_view(data)
+    return array if array.flags.owndata else array.copy(order="K")
+
+
+def npy_view(data: bytes) -> np.ndarray:
+    """:func:`decode_npy` without its copy: a read-only view of ``data``.
+
+    For a caller that copies the array anyway (a chunk build lays every
+    sample into its column), the copy in ``decode_npy`` would be a second
+    pass over every byte.
+    """
     view = memoryview(data)
     if bytes(view[:6]) != b"\x93NUMPY" or len(data) < 12:
         return np.load(io.BytesIO(data), allow_pickle=False)  # numpy's own error
@@ -51,7 +62,7 @@ def decode_npy(data: bytes) -> np.ndarray:
     shape, order, dtype = layout
     count = int(np.prod(shape, dtype=np.int64))
     flat = np.frombuffer(data, dtype=dtype, count=count, offset=end)
-    return flat.reshape(shape, order=order).copy(order=order)
+    return flat.reshape(shape, order=order)
 
 
 @functools.lru_cache(maxsize=256)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardcache import errors
+from shardcache import batch_rows, errors
 from shardcache.chunks import PLAIN_FIELD, Chunk, batch_shape, gather
 
 __all__ = [
@@ -30,6 +30,10 @@ __all__ = [
     "samples",
     "substitute_failed",
 ]
+
+
+# DataLoader's default collate returns a batch gathered here instead of a copy.
+batch_rows.install()
 
 
 def is_tuple_sample(sample: Any) -> bool:
@@ -82,8 +86,10 @@ def samples(
     Samples of one shape are gathered in one copy into a batch tensor of
     this call's own and handed out as its rows: a sample then costs a
     view (~1 us) instead of a copy and a dispatch of its own, and an
-    in-place op on it changes only that private batch. Ragged samples
-    are copied one by one (:func:`sample`).
+    in-place op on it changes only that private batch. DataLoader's
+    default collate gives that batch back instead of stacking the rows
+    again (:mod:`shardcache.batch_rows`). Ragged samples are copied one
+    by one (:func:`sample`).
     """
     try:
         gathered = collate(chunks, chunk_ids, rows, indices, False, url_of)
@@ -96,12 +102,14 @@ def samples(
         ]
     x, targets = gathered if isinstance(gathered, tuple) else (gathered, None)
     if isinstance(x, dict):
-        per_field = [t.unbind(0) for t in x.values()]
+        per_field = [batch_rows.as_rows(t) for t in x.values()]
         rows_of = zip(*per_field, strict=True)
         xs: list[Any] = [dict(zip(x, row, strict=True)) for row in rows_of]
     else:
-        xs = list(x.unbind(0))
-    return xs if targets is None else list(zip(xs, targets.unbind(0), strict=True))
+        xs = batch_rows.as_rows(x)
+    if targets is None:
+        return xs
+    return list(zip(xs, batch_rows.as_rows(targets), strict=True))
 
 
 def sample(chunk: Chunk, row: int, index: int, url_of: Callable[[int], str]) -> Any:

@@ -21,6 +21,7 @@ import numpy as np
 
 from shardcache.checksum import seal
 from shardcache.chunks import SOURCED, Chunk
+from shardcache.decoders import decode_npy, npy_view
 from shardcache.errors import (
     CorruptObjectError,
     RemoteFetchError,
@@ -219,6 +220,9 @@ def build_members(
     for row in reuse:
         assert base is not None
         samples[row] = _copy(base.sample(row))
+    # The default .npy decode copies its array out of the bytes; build_chunk
+    # copies every sample into its column anyway, so a view is decoded here.
+    preprocess = npy_view if req.preprocess is decode_npy else req.preprocess
     # Per member: the user's preprocess itself; everything else is per chunk.
     for row, data in zip(fetch_rows, fetched, strict=True):
         url = members[row][0]
@@ -227,7 +231,7 @@ def build_members(
             continue
         bytes_read += len(data)
         try:
-            samples[row] = run_preprocess(req.preprocess, data, url)
+            samples[row] = run_preprocess(preprocess, data, url)
         except ShardCacheError as exc:
             errors[row] = (type(exc).__name__, str(exc))
     if req.target is not None:

@@ -60,8 +60,14 @@ def test_loader_batches_equal_stacking_the_samples(
         for a, b in zip(got, expected, strict=True):
             assert a.shape == b.shape and a.dtype == torch.uint8
             assert torch.equal(a, b) and a.is_contiguous()
-    stats = ds.stats()  # the first pass read every object; the other three held them
-    assert stats["misses"] == 40 and stats["hits"] == 3 * 40
+        # The DataLoader's batch is the dataset's gather handed back whole
+        # (no second copy): each one still equals its samples stacked.
+        order = list(ds.sampler)
+        for k, b in enumerate(expected):
+            samples = [ds[i] for i in order[6 * k : 6 * k + 6]]
+            assert torch.equal(b, torch.stack(samples))
+    stats = ds.stats()  # the first pass read every object; the rest were held
+    assert stats["misses"] == 40 and stats["hits"] == 3 * 40 + 2 * 40  # + ds[i]
     ds.close()
 
 

@@ -1,0 +1,94 @@
+"""A batch handed out as rows, and DataLoader's default collate giving the batch back whole.
+
+``DataLoader(ds, batch_size=B, sampler=ds.sampler)``, the README's loop,
+asks the dataset for a batch (``__getitems__``) and stacks what it returns
+with ``default_collate``. The dataset has already gathered the batch into
+one fresh tensor of its own (:func:`shardcache.delivery.samples`) and hands
+it out as rows, so torch's stack would be a second copy of every byte, and
+in the main process it runs on torch's intra-op threads: while the stores
+build chunks on the same cores (a cold epoch) one stack of a 10 MB batch
+was measured at 80 ms instead of 1 ms (BENCHMARKS.md, "Cold epoch on the
+README's path").
+
+:func:`as_rows` marks the gathered batch; the collate function installed
+here (through ``default_collate_fn_map``, the registry torch documents for
+extending ``default_collate``) returns that batch itself when it is given
+exactly its rows, in order, and stacks anything else as torch does. The
+batch is this call's own copy, never the cache's memory, so an in-place op
+on it changes nothing anyone else reads. In a DataLoader worker torch's
+own function runs: it stacks into shared memory, which is the copy that
+carries the batch to the main process anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data._utils import collate as torch_collate
+
+__all__ = ["as_rows", "collate_tensors", "install"]
+
+_MARK = "_shardcache_gathered"  # set on a batch tensor this package gathered
+
+
+def as_rows(batch: torch.Tensor) -> list[torch.Tensor]:
+    """``batch``'s rows (views), marked so that collating them returns ``batch``.
+
+    Only a tensor that owns its memory (not a view: torch gives a view's
+    rows the root tensor as ``_base``) is marked; a view's rows collate as
+    torch does.
+    """
+    if batch._base is None:
+        setattr(batch, _MARK, True)
+    return list(batch.unbind(0))
+
+
+def whole(rows: list[Any]) -> torch.Tensor | None:
+    """The marked batch ``rows`` are, row for row and in order; else ``None``.
+
+    >>> rows = as_rows(torch.zeros(3, 2))
+    >>> whole(rows).shape
+    torch.Size([3, 2])
+    >>> whole(rows[::-1]) is None, whole(rows[:2]) is None
+    (True, True)
+    >>> whole(list(torch.zeros(3, 2).unbind(0))) is None  # not marked
+    True
+    """
+    first = rows[0]
+    base = getattr(first, "_base", None)
+    if base is None or not getattr(base, _MARK, False) or len(rows) != base.shape[0]:
+        return None
+    start, step = base.storage_offset(), base.stride(0)
+    for i, row in enumerate(rows):
+        if (
+            not isinstance(row, torch.Tensor)
+            or row._base is not base
+            or row.storage_offset() != start + i * step
+            or row.shape != first.shape
+        ):
+            return None
+    return base
+
+
+_TORCH_COLLATE: Callable[..., Any] = torch_collate.collate_tensor_fn
+
+
+def collate_tensors(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> Any:
+    """``default_collate``'s function for tensors: the gathered batch when
+    ``batch`` is its rows (in the process that gathered it), else torch's stack."""
+    if torch.utils.data.get_worker_info() is None:
+        gathered = whole(batch)
+        if gathered is not None:
+            return gathered
+    return _TORCH_COLLATE(batch, collate_fn_map=collate_fn_map)
+
+
+def install() -> None:
+    """Register :func:`collate_tensors` for ``torch.Tensor`` in
+    ``default_collate_fn_map``, unless something other than torch's own
+    function is registered there (a user's choice is kept)."""
+    registry = torch_collate.default_collate_fn_map
+    if registry.get(torch.Tensor) is _TORCH_COLLATE:
+        registry[torch.Tensor] = collate_tensors
