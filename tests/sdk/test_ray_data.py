@@ -213,15 +213,12 @@ def test_ray_data_torch_trainer_reads_each_object_once_over_epochs_and_jobs(
         assert sorted(row[0] for row in seen) == list(range(count))
     assert s3.total_gets == count  # 3 epochs: each object read once
 
-    s3.reset_counts()
-    epochs = _fit(_read(s3, bucket, redis_url, namespace), tmp_path / "b", 1)
-    assert sorted(row[0] for row in epochs[0]) == list(range(count))
-    assert s3.total_gets == 0  # a second job: all from the cache
-
-    # Ten objects rewritten; the next run serves them new, reading only them.
+    # A second job after ten objects were rewritten: those ten are read and
+    # served new, the other thirty come from the cache (no GET). One job
+    # checks both: each TorchTrainer.fit costs ~60 s of Ray Train start-up.
     _objects(s3fs_client, bucket, count=10, fill=100)
     s3.reset_counts()
-    epochs = _fit(_read(s3, bucket, redis_url, namespace), tmp_path / "c", 1)
+    epochs = _fit(_read(s3, bucket, redis_url, namespace), tmp_path / "b", 1)
     new = [(i + 100) if i < 10 else i for i in range(count)]
     assert sorted(row[0] for row in epochs[0]) == sorted(new)
     assert s3.total_gets == 10
