@@ -22,6 +22,7 @@ carries the batch to the main process anyway.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,10 @@ from torch.utils.data._utils import collate as torch_collate
 
 __all__ = ["as_rows", "collate_tensors", "install"]
 
-_MARK = "_shardcache_gathered"  # set on a batch tensor this package gathered
+# The batches handed out as rows and still alive, by id. Held weakly, and
+# kept here rather than as an attribute of the tensor, which would travel
+# with it through pickle and torch.save.
+_GATHERED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 def as_rows(batch: torch.Tensor) -> list[torch.Tensor]:
@@ -41,7 +45,7 @@ def as_rows(batch: torch.Tensor) -> list[torch.Tensor]:
     torch does.
     """
     if batch._base is None:
-        setattr(batch, _MARK, True)
+        _GATHERED[id(batch)] = batch
     return list(batch.unbind(0))
 
 
@@ -58,7 +62,7 @@ def whole(rows: list[Any]) -> torch.Tensor | None:
     """
     first = rows[0]
     base = getattr(first, "_base", None)
-    if base is None or not getattr(base, _MARK, False) or len(rows) != base.shape[0]:
+    if base is None or _GATHERED.get(id(base)) is not base or len(rows) != base.shape[0]:
         return None
     start, step = base.storage_offset(), base.stride(0)
     for i, row in enumerate(rows):

@@ -7,8 +7,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 from torch.utils.data._utils import collate as torch_collate
 
-from shardcache import batch_rows
 import shardcache.delivery  # noqa: F401  (installs the collate function)
+from shardcache import batch_rows
 
 
 class _Gathered(Dataset):
@@ -66,3 +66,18 @@ def test_batch_rows_a_users_own_collate_registration_is_kept():
         assert registry[torch.Tensor] is mine
     finally:
         registry[torch.Tensor] = batch_rows.collate_tensors
+
+
+def test_batch_rows_the_mark_does_not_travel_with_the_batch():
+    import io
+    import pickle
+
+    batch = torch.zeros(3, 2)
+    assert default_collate(batch_rows.as_rows(batch)) is batch
+    buf = io.BytesIO()
+    torch.save(batch, buf)
+    buf.seek(0)
+    for copy in (torch.load(buf, weights_only=True), pickle.loads(pickle.dumps(batch))):
+        rows = list(copy.unbind(0))
+        assert default_collate(rows) is not copy  # stacked: not one of ours
+        assert copy.__dict__ == {}
