@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from collections.abc import Iterator
 
 import numpy as np
 from test_readme import fresh_bucket, readme_script
@@ -122,26 +123,32 @@ def _augment():
     return scope["augment"]
 
 
+def _delivered(records: list[dict], images: list[np.ndarray]) -> Iterator[tuple]:
+    """``(epoch, sample, what a rank got, the view augment makes of it for
+    that epoch)`` for every sample the ranks recorded, after checking that
+    each epoch delivered every sample once over both ranks."""
+    augment = _augment()
+    for epoch in range(EPOCHS):
+        seen = [r["seen"][str(epoch)] for r in records]
+        assert sorted(int(i) for s in seen for i in s) == list(range(IMAGES))
+        variant = variant_of_epoch(epoch, 0, K)
+        for s in seen:
+            for i, x in s.items():
+                i = int(i)
+                view = augment(images[i].copy(), variant_rng(0, variant, i))
+                yield epoch, i, np.array(x, dtype=np.uint8), view
+
+
 def test_variants_give_k_views_per_sample_and_no_augment_on_the_ranks(
     user, s3, s3fs_client
 ):
     images = _images()
     _upload(s3, s3fs_client, images)
     records, pids = _record(user, s3, "views")
-    augment = _augment()
     views: dict[int, set[bytes]] = {i: set() for i in range(IMAGES)}
-    for epoch in range(EPOCHS):
-        seen = [r["seen"][str(epoch)] for r in records]
-        # Every sample once per epoch, over both ranks.
-        assert sorted(int(i) for s in seen for i in s) == list(range(IMAGES))
-        variant = variant_of_epoch(epoch, 0, K)
-        for s in seen:
-            for i, x in s.items():
-                got = np.array(x, dtype=np.uint8)
-                i = int(i)
-                expected = augment(images[i].copy(), variant_rng(0, variant, i))
-                assert np.array_equal(got, expected), (epoch, i)
-                views[i].add(got.tobytes())
+    for epoch, i, got, view in _delivered(records, images):
+        assert np.array_equal(got, view), (epoch, i)
+        views[i].add(got.tobytes())
     assert all(len(v) == K for v in views.values())  # 4 distinct views each
     # augment ran K times per sample, in build workers, never in a rank.
     assert len(pids) == K * IMAGES
@@ -163,19 +170,11 @@ def test_variants_beyond_the_budget_are_read_as_the_base_form(
     records, pids = _record(
         user, s3, "budget", env={"SHARDCACHE_CACHE_BYTES": str(budget)}
     )
-    augment = _augment()
     fallback = 0
-    for epoch in range(EPOCHS):
-        seen = [r["seen"][str(epoch)] for r in records]
-        assert sorted(int(i) for s in seen for i in s) == list(range(IMAGES))
-        variant = variant_of_epoch(epoch, 0, K)
-        for s in seen:
-            for i, x in s.items():
-                got = np.array(x, dtype=np.uint8)
-                base = images[int(i)]
-                view = augment(base.copy(), variant_rng(0, variant, int(i)))
-                assert np.array_equal(got, base) or np.array_equal(got, view)
-                fallback += np.array_equal(got, base)
+    for _, i, got, view in _delivered(records, images):
+        base = images[i]
+        assert np.array_equal(got, base) or np.array_equal(got, view)
+        fallback += np.array_equal(got, base)
     counted = sum(r["stats"]["base_fallback"] for r in records)
     assert counted == fallback and 0 < counted < EPOCHS * IMAGES
     served = sum(r["stats"]["variant_samples"] for r in records)

@@ -98,19 +98,19 @@ def _stop(user) -> float:
 def _our_head(user) -> list[int]:
     """Our head's processes, agents included (Ray scrubs their environment)."""
     pids = head_processes(_state(user))
-    names = " ".join(_names(pids))
+    names = " ".join(_alive_names(pids).values())
     assert "gcs_server" in names and "Agent" in names, names
     return pids
 
 
-def _names(pids) -> list[str]:
-    """Names of the processes still alive: a head's short-lived helpers (a
+def _alive_names(pids) -> dict[int, str]:
+    """The name of each process still alive: a head's short-lived helpers (a
     worker the raylet prestarted, a log probe) can exit between the listing
     and the look."""
-    names = []
+    names = {}
     for pid in pids:
         try:
-            names.append(psutil.Process(pid).name())
+            names[pid] = psutil.Process(pid).name()
         except psutil.NoSuchProcess:
             continue
     return names
@@ -148,12 +148,13 @@ def test_embedded_listeners_are_loopback_only(user):
     pids = set(_our_head(user))
     redis_pid = json.loads((_state(user) / "redis.json").read_text())["pid"]
     pids.add(int(redis_pid))
-    names = set(_names(pids))
+    alive = _alive_names(pids)
+    names = set(alive.values())
     assert any("CacheShard" in n for n in names), names  # the stores are ours too
     listens = [
-        (_names([c.pid])[0], c.laddr.ip, c.laddr.port)
+        (alive[c.pid], c.laddr.ip, c.laddr.port)
         for c in psutil.net_connections("inet")
-        if c.status == psutil.CONN_LISTEN and c.pid in pids and _names([c.pid])
+        if c.status == psutil.CONN_LISTEN and c.pid in alive
     ]
     assert {"gcs_server", "raylet", "redis-server"} <= {n for n, _, _ in listens}
     assert _loopback([ip for _, ip, _ in listens]), listens
