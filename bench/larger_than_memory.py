@@ -91,6 +91,12 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2, help="warm epochs timed")
     ap.add_argument("--old-batches", type=int, default=6)
     ap.add_argument(
+        "--shuffle-block",
+        type=int,
+        default=0,
+        help="the dataset's shuffle_block in samples (0: the default full shuffle)",
+    )
+    ap.add_argument(
         "--torch-threads",
         type=int,
         default=1,
@@ -130,7 +136,8 @@ def main() -> None:
         "command": "bench/larger_than_memory.py "
         f"--samples {args.samples} --budget-mib {args.budget_mib} "
         f"--batch {args.batch} --epochs {args.epochs} "
-        f"--old-batches {args.old_batches} --torch-threads {args.torch_threads}",
+        f"--old-batches {args.old_batches} --torch-threads {args.torch_threads}"
+        f" --shuffle-block {args.shuffle_block}",
         "data_mib": round(data_bytes / 2**20, 1),
         "budget_mib": args.budget_mib,
     }
@@ -143,6 +150,7 @@ def main() -> None:
         ds = DistributedCachedDataset(
             f"{tmp / 'data'}/", preprocess=_npy, redis_url=redis_url,
             namespace=ns, rank=0, world_size=1, seed=0,
+            shuffle_block=args.shuffle_block or None,
         )  # fmt: skip
         loader = torch.utils.data.DataLoader(
             ds, batch_size=args.batch, sampler=ds.sampler

@@ -109,8 +109,10 @@ class DistributedCachedDataset(Dataset[Any]):
             many samples instead of the whole shard at once (Mosaic's shuffle
             blocks): set it when the node's cache holds less than its ranks'
             shards, so each chunk is read once per epoch instead of in every
-            batch (``docs/architecture.md``, "Shuffle blocks"). Defaults to
-            ``None`` (the whole shard).
+            batch (``docs/architecture.md``, "Shuffle blocks"); a rank that
+            mapped disk-tier files in a warm epoch logs the block that fits
+            (``stats()["suggested_shuffle_block"]``). Defaults to ``None``
+            (the whole shard).
         seed, drop_last: as for DistributedSampler.
         prefetch_batches: batches whose chunks are resolved ahead.
         revalidate: when a new job re-lists the source. ``"job"`` (the

@@ -177,6 +177,11 @@ class ShardSampler(DistributedSampler[int]):
         return self._shard
 
     @property
+    def layout(self) -> ChunkLayout:
+        """Which chunk each sample index is in."""
+        return self._layout
+
+    @property
     def num_samples(self) -> int:
         """Samples per rank this epoch (the longest rank's, unless drop_last)."""
         self._resolve()

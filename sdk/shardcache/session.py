@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from shardcache import delivery
+from shardcache import block_advice, delivery
 from shardcache.chunks import Chunk
 from shardcache.errors import (
     ConfigError,
@@ -104,6 +104,10 @@ class RankSession:
         self.batch_size = 0  # the first batch's, for the prefetch window
         self.epoch_reported = False
         self.warned_skip = False
+        # The reader's served counts when this epoch began, and the shuffle
+        # block the last warm epoch suggested (block_advice.py; 0: none).
+        self._served_at_start: dict[str, int] = {}
+        self.suggested_block = 0
         generations.renew()
         self.usage = UsageReporter(
             lambda: self.client.index.client,
@@ -365,12 +369,43 @@ class RankSession:
         counters restart (a pending resume keeps its position)."""
         self.epoch_reported = False
         self.report_rank()
+        self._advise_block()
         if not resuming:
             self.consumed = 0
             self.cursor = 0
         self.waits.reset()
         if self.reader is not None and self.is_current:
             self.reader.new_epoch()
+
+    def _advise_block(self) -> None:
+        """After a warm epoch that mapped many disk-tier files under a full
+        shuffle, say once which ``shuffle_block`` fits (block_advice.py)."""
+        reader, sampler = self.reader, self.sampler
+        if reader is None or not self.is_current:
+            return
+        served = {
+            o: reader.counts[o] - self._served_at_start.get(o, 0) for o in ORIGINS
+        }
+        self._served_at_start = {o: reader.counts[o] for o in ORIGINS}
+        total = sum(served.values())
+        if (
+            self.suggested_block
+            or sampler.mode != "shard"
+            or not sampler.shuffle
+            or sampler.block
+            or total == 0
+            or served["source"] > block_advice.MIN_DISK_SHARE * total  # not warm
+        ):
+            return
+        _, per_chunk = np.unique(
+            sampler.layout.chunk_of(sampler.shard), return_counts=True
+        )
+        block = block_advice.suggest_block(served["local"], served["disk"], per_chunk)
+        if block:
+            self.suggested_block = block
+            block_advice.warn_once(
+                self.spec.name, block, served["local"], served["disk"]
+            )
 
     def report_rank(self, in_background: bool = False) -> None:
         if self.waits.batches == 0:
@@ -417,6 +452,7 @@ class RankSession:
             "held_bytes": reader.held_bytes if reader is not None else 0,
             "served": dict(reader.counts) if reader is not None else {},
             "moved_on_resume": moved_on_resume,
+            "suggested_shuffle_block": self.suggested_block,
             **self.waits.summary(),
         }
         if self.spec.variants is not None:

@@ -36,6 +36,18 @@ def _epoch(ds, loader, epoch):
     return got
 
 
+def _open(s3, bucket, redis_url, namespace, **extra):
+    ds = DistributedCachedDataset(
+        f"s3://{bucket}/d/",
+        storage_options=s3.storage_options(),
+        redis_url=redis_url,
+        namespace=namespace,
+        chunk_samples=PER_CHUNK,
+        **extra,
+    )
+    return ds, DataLoader(ds, batch_size=8, sampler=ds.sampler, collate_fn=list)
+
+
 @pytest.fixture
 def larger_than_memory(
     ray_cluster, s3, s3fs_client, bucket, redis_url, namespace, monkeypatch, tmp_path
@@ -52,14 +64,7 @@ def larger_than_memory(
             disk_dir=str(tmp_path / "disk"),
         )
     )
-    ds = DistributedCachedDataset(
-        f"s3://{bucket}/d/",
-        storage_options=s3.storage_options(),
-        redis_url=redis_url,
-        namespace=namespace,
-        chunk_samples=PER_CHUNK,
-    )
-    loader = DataLoader(ds, batch_size=8, sampler=ds.sampler, collate_fn=list)
+    ds, loader = _open(s3, bucket, redis_url, namespace)
     assert _epoch(ds, loader, 0) == payload
     assert s3.total_gets == SAMPLES
     store = store_for_node(namespace, ray.get_runtime_context().get_node_id())
@@ -159,3 +164,30 @@ def test_a_process_that_cannot_see_the_stores_disk_stops_asking_for_files(
         _assert_rows(_resolve_all(ds, elsewhere), payload)
     assert calls == [True, False, False]  # asked again once, then never files
     assert s3.total_gets == 0  # the store reloaded them from its disk
+
+
+def test_a_full_shuffle_that_maps_disk_files_is_told_the_shuffle_block_that_fits(
+    larger_than_memory, s3, bucket, redis_url, namespace, caplog
+):
+    ds, loader, payload, store = larger_than_memory
+    assert ds.stats()["suggested_shuffle_block"] == 0  # a cold epoch says nothing
+    assert _epoch(ds, loader, 1) == payload
+    with caplog.at_level("WARNING", logger="shardcache.block_advice"):
+        ds.set_epoch(2)
+    in_memory = ray.get(store.info.remote())["entries"]  # 4 of 12 chunks
+    # A third of the shard came from memory: blocks of half of that, 2 chunks.
+    block = round(in_memory / 2) * PER_CHUNK
+    assert ds.stats()["suggested_shuffle_block"] == block == 8
+    (said,) = [m for m in caplog.messages if "shuffle_block" in m]
+    assert f"shuffle_block={block}" in said and "32 of 48 samples" in said
+    # The advice taken: the same data in blocks, every sample once per epoch,
+    # no source read, and nothing more to say.
+    blocked, blocked_loader = _open(
+        s3, bucket, redis_url, namespace, shuffle_block=block
+    )
+    for epoch in (0, 1):
+        assert _epoch(blocked, blocked_loader, epoch) == payload
+    blocked.set_epoch(2)
+    assert blocked.stats()["suggested_shuffle_block"] == 0
+    assert s3.total_gets == 0
+    blocked.close()
