@@ -82,7 +82,9 @@ def _epochs(loader, epochs: int, set_epoch=None) -> list[dict[str, float]]:  # n
     return out
 
 
-def plain(folder: Path, batch: int, epochs: int, workers: int) -> list[dict[str, float]]:
+def plain(
+    folder: Path, batch: int, epochs: int, workers: int
+) -> list[dict[str, float]]:
     import torch
 
     loader = torch.utils.data.DataLoader(
@@ -96,7 +98,12 @@ def plain(folder: Path, batch: int, epochs: int, workers: int) -> list[dict[str,
 
 
 def cache(
-    folder: Path, batch: int, epochs: int, running: bool, chunk_bytes: int | None = None
+    folder: Path,
+    batch: int,
+    epochs: int,
+    running: bool,
+    chunk_bytes: int | None = None,
+    shuffle_block: int | None = None,
 ) -> dict[str, object]:
     """The README's loop, in this process (run as a subprocess by main).
 
@@ -116,7 +123,8 @@ def cache(
             pass
     started = time.perf_counter()
 
-    extra = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
+    extra: dict[str, int] = {"chunk_bytes": chunk_bytes} if chunk_bytes else {}
+    extra |= {"shuffle_block": shuffle_block} if shuffle_block else {}
     ds = DistributedCachedDataset(f"file://{folder}/*.npy", **extra)
     built = time.perf_counter() - started
     loader = torch.utils.data.DataLoader(ds, batch_size=batch, sampler=ds.sampler)
@@ -139,6 +147,7 @@ def _run_cache(
     cmd += ["--batch", str(args.batch), "--epochs", str(args.epochs)]
     cmd += ["--running"] if system == "cache_running" else []
     cmd += ["--chunk-bytes", str(args.chunk_bytes)] if args.chunk_bytes else []
+    cmd += ["--shuffle-block", str(args.shuffle_block)] if args.shuffle_block else []
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
@@ -163,14 +172,28 @@ def main() -> None:
         "embedded head); cache_running: the cache already running",
     )
     parser.add_argument(
-        "--chunk-bytes", type=int, default=0, help="the cache's chunk_bytes (0: default)"
+        "--chunk-bytes",
+        type=int,
+        default=0,
+        help="the cache's chunk_bytes (0: default)",
+    )
+    parser.add_argument(
+        "--shuffle-block",
+        type=int,
+        default=0,
+        help="the cache's shuffle_block in samples (0: the default full shuffle)",
     )
     parser.add_argument("--cache-only", help=argparse.SUPPRESS)  # the subprocess
     parser.add_argument("--running", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cache_only:
         out = cache(
-            Path(args.cache_only), args.batch, args.epochs, args.running, args.chunk_bytes
+            Path(args.cache_only),
+            args.batch,
+            args.epochs,
+            args.running,
+            args.chunk_bytes,
+            args.shuffle_block,
         )
         print(json.dumps(out))
         return
@@ -182,6 +205,7 @@ def main() -> None:
             "samples": args.samples,
             "sample_bytes": args.sample_bytes,
             "batch": args.batch,
+            "shuffle_block": args.shuffle_block,
             "load_before": os.getloadavg()[0],
         }
         systems = args.systems.split(",")
