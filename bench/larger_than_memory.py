@@ -83,6 +83,23 @@ def _timed(batches, limit: int | None = None) -> dict[str, float]:
     }
 
 
+def _old_reload_path(ds, loader, args) -> dict[str, float]:  # noqa: ANN001
+    """The old path: the store reloads every chunk not in memory."""
+    from shardcache.transport.direct import CacheClient
+
+    files_on = CacheClient.get_refs
+
+    def no_files(self, *args, files=False, **kwargs):
+        return files_on(self, *args, **kwargs)
+
+    CacheClient.get_refs = no_files  # type: ignore[method-assign]
+    try:
+        ds.set_epoch(2 + args.epochs)
+        return _timed(loader, args.old_batches)
+    finally:
+        CacheClient.get_refs = files_on  # type: ignore[method-assign]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--samples", type=int, default=1000)
@@ -95,6 +112,11 @@ def main() -> None:
         type=int,
         default=0,
         help="the dataset's shuffle_block in samples (0: the default full shuffle)",
+    )
+    ap.add_argument(
+        "--no-disk",
+        action="store_true",
+        help="no disk tier: chunks evicted from memory are built from the source again",
     )
     ap.add_argument(
         "--torch-threads",
@@ -110,14 +132,15 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="shardcache-ltm-"))
     os.environ["SHARDCACHE_HOLD_BYTES"] = "0"
     os.environ["SHARDCACHE_CACHE_BYTES"] = str(budget)
-    os.environ["SHARDCACHE_DISK_DIR"] = str(tmp / "disk")
+    disk_dir = "" if args.no_disk else str(tmp / "disk")
+    if disk_dir:
+        os.environ["SHARDCACHE_DISK_DIR"] = disk_dir
 
     import ray
     import torch
 
     from shardcache import DistributedCachedDataset
     from shardcache.embedded import start_redis_server
-    from shardcache.transport.direct import CacheClient
     from shardcache_server.cluster import ensure_stores, store_for_node
     from shardcache_server.settings import ServiceSettings
 
@@ -137,7 +160,8 @@ def main() -> None:
         f"--samples {args.samples} --budget-mib {args.budget_mib} "
         f"--batch {args.batch} --epochs {args.epochs} "
         f"--old-batches {args.old_batches} --torch-threads {args.torch_threads}"
-        f" --shuffle-block {args.shuffle_block}",
+        f" --shuffle-block {args.shuffle_block}"
+        + (" --no-disk" if args.no_disk else ""),
         "data_mib": round(data_bytes / 2**20, 1),
         "budget_mib": args.budget_mib,
     }
@@ -145,7 +169,7 @@ def main() -> None:
         ns = "ltmbench"
         ensure_stores(ServiceSettings(
             redis_url=redis_url, namespace=ns, cache_bytes=budget,
-            disk_dir=str(tmp / "disk"),
+            disk_dir=disk_dir,
         ))  # fmt: skip
         ds = DistributedCachedDataset(
             f"{tmp / 'data'}/", preprocess=_npy, redis_url=redis_url,
@@ -158,8 +182,9 @@ def main() -> None:
         ds.set_epoch(0)
         out["cold"] = _timed(loader)
         store = store_for_node(ns, ray.get_runtime_context().get_node_id())
-        disk = ray.get(store.flush_disk.remote())
-        out["disk_chunks"] = disk["disk_chunks"]
+        if disk_dir:
+            disk = ray.get(store.flush_disk.remote())
+            out["disk_chunks"] = disk["disk_chunks"]
         warm = []
         for epoch in range(1, 1 + args.epochs):
             before = ds.stats()["served"]
@@ -184,18 +209,8 @@ def main() -> None:
         out["store_used_mib"] = round(info["used_bytes"] / 2**20, 1)
         out["store_entries"] = info["entries"]
 
-        # The old path: the store reloads every chunk not in memory.
-        files_on = CacheClient.get_refs
-
-        def no_files(self, *args, files=False, **kwargs):
-            return files_on(self, *args, **kwargs)
-
-        CacheClient.get_refs = no_files  # type: ignore[method-assign]
-        try:
-            ds.set_epoch(2 + args.epochs)
-            out["old_reload_path"] = _timed(loader, args.old_batches)
-        finally:
-            CacheClient.get_refs = files_on  # type: ignore[method-assign]
+        if disk_dir:
+            out["old_reload_path"] = _old_reload_path(ds, loader, args)
         ds.close()
     finally:
         ray.shutdown()

@@ -107,6 +107,8 @@ class RankSession:
         # The reader's served counts when this epoch began, and the shuffle
         # block the last warm epoch suggested (block_advice.py; 0: none).
         self._served_at_start: dict[str, int] = {}
+        self._full_epochs = 0  # whole epochs in a row, the last one read as:
+        self._read_as: tuple[str, int] | None = None  # (listing digest, generation)
         self.suggested_block = 0
         generations.renew()
         self.usage = UsageReporter(
@@ -378,15 +380,26 @@ class RankSession:
             self.reader.new_epoch()
 
     def _advise_block(self) -> None:
-        """After a warm epoch that mapped many disk-tier files under a full
-        shuffle, say once which ``shuffle_block`` fits (block_advice.py)."""
+        """After a warm epoch that read many chunks from outside memory under
+        a full shuffle, say once which ``shuffle_block`` fits (block_advice.py)."""
         reader, sampler = self.reader, self.sampler
-        if reader is None or not self.is_current:
-            return
+        if reader is None or not self.is_current or self.consumed == 0:
+            return  # no batch since the last call (set_epoch twice): nothing new
         served = {
             o: reader.counts[o] - self._served_at_start.get(o, 0) for o in ORIGINS
         }
         self._served_at_start = {o: reader.counts[o] for o in ORIGINS}
+        # Source reads mean evictions only in a whole epoch that followed a
+        # whole epoch of the same listing and generation: otherwise they are
+        # first builds (a cold or cut-short epoch) or a change upstream.
+        was_built = self._full_epochs > 0 and self._read_as == (
+            reader.digest,
+            self.generations.generation,
+        )
+        # Whole: every batch but a last one a drop_last loader leaves out.
+        is_whole = self.consumed > sampler.num_samples - max(self.batch_size, 1)
+        self._full_epochs = self._full_epochs + 1 if is_whole else 0
+        self._read_as = (reader.digest, self.generations.generation)
         total = sum(served.values())
         if (
             self.suggested_block
@@ -394,18 +407,21 @@ class RankSession:
             or not sampler.shuffle
             or sampler.block
             or total == 0
-            or served["source"] > block_advice.MIN_DISK_SHARE * total  # not warm
         ):
             return
+        if not (was_built and is_whole):
+            if served["source"] > block_advice.MIN_DISK_SHARE * total:
+                return  # first builds: they say nothing about memory
+            served["source"] = 0
+        # Peer reads are chunks on another node (a new world): not memory.
+        missed = served["disk"] + served["source"]
         _, per_chunk = np.unique(
             sampler.layout.chunk_of(sampler.shard), return_counts=True
         )
-        block = block_advice.suggest_block(served["local"], served["disk"], per_chunk)
+        block = block_advice.suggest_block(served["local"], missed, per_chunk)
         if block:
             self.suggested_block = block
-            block_advice.warn_once(
-                self.spec.name, block, served["local"], served["disk"]
-            )
+            block_advice.warn_once(self.spec.name, block, served)
 
     def report_rank(self, in_background: bool = False) -> None:
         if self.waits.batches == 0:

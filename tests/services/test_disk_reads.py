@@ -191,3 +191,31 @@ def test_a_full_shuffle_that_maps_disk_files_is_told_the_shuffle_block_that_fits
     assert blocked.stats()["suggested_shuffle_block"] == 0
     assert s3.total_gets == 0
     blocked.close()
+
+
+def test_without_a_disk_tier_warm_rebuilds_are_told_the_block_and_the_tier(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace, monkeypatch, caplog
+):
+    monkeypatch.setenv("SHARDCACHE_HOLD_BYTES", "0")
+    payload = {i: np.random.default_rng(i).bytes(SAMPLE_BYTES) for i in range(SAMPLES)}
+    s3fs_client.pipe({f"{bucket}/d/{i:02d}": v for i, v in payload.items()})
+    ensure_stores(
+        ServiceSettings(redis_url=redis_url, namespace=namespace, cache_bytes=BUDGET)
+    )
+    ds, loader = _open(s3, bucket, redis_url, namespace)
+    with caplog.at_level("WARNING", logger="shardcache.block_advice"):
+        assert _epoch(ds, loader, 0) == payload
+        ds.set_epoch(1)  # after the cold epoch: its builds say nothing
+        cold = ds.stats()
+        assert cold["suggested_shuffle_block"] == 0
+        assert _epoch(ds, loader, 1) == payload
+        ds.set_epoch(2)
+    # The warm epoch rebuilt what memory could not hold from the source,
+    # chunks more than once (a full shuffle asks for each in many batches).
+    rebuilt = ds.stats()["served"]["source"] - cold["served"]["source"]
+    assert SAMPLES > rebuilt > SAMPLES // 2 and s3.total_gets > SAMPLES + rebuilt
+    assert ds.stats()["suggested_shuffle_block"] > 0
+    (said,) = [m for m in caplog.messages if "shuffle_block" in m]
+    assert f"{rebuilt} of {SAMPLES} samples from the source again" in said
+    assert "SHARDCACHE_DISK_DIR" in said
+    ds.close()
