@@ -36,6 +36,22 @@ def _epoch(ds, loader, epoch):
     return got
 
 
+def _data_and_stores(monkeypatch, s3fs_client, bucket, redis_url, namespace, disk_dir):
+    """The objects in the emulator and the node's store, ``disk_dir`` its
+    disk tier (``None``: none); returns the payload by sample."""
+    # The rank keeps nothing between batches: every batch asks the store.
+    monkeypatch.setenv("SHARDCACHE_HOLD_BYTES", "0")
+    payload = {i: np.random.default_rng(i).bytes(SAMPLE_BYTES) for i in range(SAMPLES)}
+    s3fs_client.pipe({f"{bucket}/d/{i:02d}": v for i, v in payload.items()})
+    disk = {"disk_dir": str(disk_dir)} if disk_dir is not None else {}
+    ensure_stores(
+        ServiceSettings(
+            redis_url=redis_url, namespace=namespace, cache_bytes=BUDGET, **disk
+        )
+    )
+    return payload
+
+
 def _open(s3, bucket, redis_url, namespace, **extra):
     ds = DistributedCachedDataset(
         f"s3://{bucket}/d/",
@@ -52,17 +68,8 @@ def _open(s3, bucket, redis_url, namespace, **extra):
 def larger_than_memory(
     ray_cluster, s3, s3fs_client, bucket, redis_url, namespace, monkeypatch, tmp_path
 ):
-    # The rank keeps nothing between batches: every batch asks the store.
-    monkeypatch.setenv("SHARDCACHE_HOLD_BYTES", "0")
-    payload = {i: np.random.default_rng(i).bytes(SAMPLE_BYTES) for i in range(SAMPLES)}
-    s3fs_client.pipe({f"{bucket}/d/{i:02d}": v for i, v in payload.items()})
-    ensure_stores(
-        ServiceSettings(
-            redis_url=redis_url,
-            namespace=namespace,
-            cache_bytes=BUDGET,
-            disk_dir=str(tmp_path / "disk"),
-        )
+    payload = _data_and_stores(
+        monkeypatch, s3fs_client, bucket, redis_url, namespace, tmp_path / "disk"
     )
     ds, loader = _open(s3, bucket, redis_url, namespace)
     assert _epoch(ds, loader, 0) == payload
@@ -196,11 +203,8 @@ def test_a_full_shuffle_that_maps_disk_files_is_told_the_shuffle_block_that_fits
 def test_without_a_disk_tier_warm_rebuilds_are_told_the_block_and_the_tier(
     ray_cluster, s3, s3fs_client, bucket, redis_url, namespace, monkeypatch, caplog
 ):
-    monkeypatch.setenv("SHARDCACHE_HOLD_BYTES", "0")
-    payload = {i: np.random.default_rng(i).bytes(SAMPLE_BYTES) for i in range(SAMPLES)}
-    s3fs_client.pipe({f"{bucket}/d/{i:02d}": v for i, v in payload.items()})
-    ensure_stores(
-        ServiceSettings(redis_url=redis_url, namespace=namespace, cache_bytes=BUDGET)
+    payload = _data_and_stores(
+        monkeypatch, s3fs_client, bucket, redis_url, namespace, disk_dir=None
     )
     ds, loader = _open(s3, bucket, redis_url, namespace)
     with caplog.at_level("WARNING", logger="shardcache.block_advice"):
