@@ -1,11 +1,12 @@
-"""Which ``shuffle_block`` fits, told to a rank whose full shuffle read from the disk tier.
+"""Which ``shuffle_block`` fits, told to a rank whose full shuffle read outside memory.
 
 With the default full shuffle every batch touches nearly every chunk of the
 rank's shard. When the node's memory holds only part of its ranks' shards,
-the rest is mapped from the disk tier again and again within the epoch:
-`bench/larger_than_memory.py` measured such a warm epoch at 0.46x of the
+the rest is mapped from the disk tier again and again within the epoch
+(`bench/larger_than_memory.py` measured such a warm epoch at 0.46x of the
 same epoch shuffled in blocks of two chunks, which matches a plain
-DataLoader over page-cached files.
+DataLoader over page-cached files), or, with no disk tier, rebuilt from the
+source several times an epoch (9 samples/s there).
 
 The rank does not switch by itself. The order must stay a function of
 ``(seed, epoch, world, shuffle_block)``: a saved state replays it exactly,
