@@ -4,6 +4,7 @@ and a listing that fails halfway never published."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import time
 from pathlib import Path
@@ -215,3 +216,26 @@ def test_emulator_synthetic_bucket_lists_computed_pages(s3: Any) -> None:
     assert manifest.url(20000) == "s3://synthetic-20001/d00002/s000020000.bin"
     assert set(manifest.sizes.tolist()) == {100}
     assert s3.lists == 1 + 10 + 10 + 1  # the level, then pages of 1,000 keys
+
+
+def test_list_source_s3_leaves_timestamps_unparsed_in_its_own_session_only(
+    s3: Any, s3fs_client: Any, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The listing's client skips botocore's per-key dateutil parse (most of
+    # a listing's CPU); every other client of the process still parses.
+    s3fs_client.pipe({f"{bucket}/ts/{i}": b"x" * (i + 1) for i in range(3)})
+    sessions: list[Any] = []
+    skip = objects._skip_timestamps
+    monkeypatch.setattr(
+        objects, "_skip_timestamps", lambda s: (sessions.append(s), skip(s))
+    )
+    manifest = list_source(f"s3://{bucket}/ts/", s3.storage_options())
+    assert [manifest.size(i) for i in range(len(manifest))] == [1, 2, 3]
+    (session,) = sessions
+    factory = session.get_component("response_parser_factory")
+    assert factory.create_parser("rest-xml")._timestamp_parser("2026-11-26") == (
+        "2026-11-26"
+    )
+    s3fs_client.invalidate_cache()
+    modified = s3fs_client.info(f"{bucket}/ts/0")["LastModified"]
+    assert isinstance(modified, datetime.datetime)
