@@ -285,20 +285,25 @@ class ChunkReader:
         return out
 
     def _keep_transient(self, c: int, chunk: Chunk, nbytes: int) -> None:
-        """Keep a chunk for the next few batches, within the hold budget
-        (``hold_bytes=0`` keeps none: every batch then asks the store);
-        ``nbytes`` is what it counts against that budget."""
+        """Keep a chunk for the next few batches: ``TRANSIENT_KEPT`` at most,
+        and those that cost bytes within the hold budget (``hold_bytes=0``
+        keeps none of them: every batch asks the store again); ``nbytes`` is
+        what it counts against that budget (0 for a mapped disk-tier file)."""
         old = self._transient.pop(c, None)
         if old is not None:
             self._transient_bytes -= old[1]
         self._transient[c] = (chunk, nbytes)
         self._transient_bytes += nbytes
-        while self._transient and (
-            len(self._transient) > TRANSIENT_KEPT
-            or self._transient_bytes > self.hold_bytes
-        ):
+        while len(self._transient) > TRANSIENT_KEPT:
             _, (_, dropped) = self._transient.popitem(last=False)
             self._transient_bytes -= dropped
+        # Over the byte budget, only chunks that cost bytes go (oldest
+        # first): dropping a mapped file frees nothing, and with
+        # hold_bytes=0 every chunk from memory would otherwise wipe the maps.
+        for old in [k for k, (_, n) in self._transient.items() if n]:
+            if self._transient_bytes <= self.hold_bytes:
+                break
+            self._transient_bytes -= self._transient.pop(old)[1]
 
     def prefetch(self, upcoming: np.ndarray) -> None:
         """Resolve the chunks of ``upcoming`` sample indices in the background,

@@ -6,6 +6,7 @@ rank), with no source GET, every sample right, and the reads counted as
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -101,6 +102,32 @@ def test_warm_epoch_larger_than_memory_reads_rows_from_the_disk_tier(
     assert served["local"] == in_memory and served["source"] == 0
     assert stats["cluster"]["samples_by_origin"]["disk"] == served["disk"]
     assert stats["misses"] == cold["misses"]
+
+
+def test_a_warm_epoch_maps_each_disk_tier_file_once_with_nothing_held(
+    larger_than_memory,
+):
+    # hold_bytes=0 keeps no chunk from memory between batches; a mapped file
+    # costs the rank no memory of its own, so it stays mapped for the epoch
+    # while chunks from memory come and go around it.
+    ds, loader, payload, store = larger_than_memory
+    in_memory = ray.get(store.info.remote())["entries"]
+    client = ds._session.reader.client
+    asked = client.get_refs
+    named: Counter[str] = Counter()
+
+    def counting(*args, **kwargs):
+        results = asked(*args, **kwargs)
+        named.update(path for status, path in results if status == Status.DISK)
+        return results
+
+    client.get_refs = counting
+    try:
+        assert _epoch(ds, loader, 1) == payload
+    finally:
+        client.get_refs = asked
+    assert len(named) == SAMPLES // PER_CHUNK - in_memory
+    assert set(named.values()) == {1}, named  # each file named once this epoch
 
 
 def _resolve_all(ds, fault):

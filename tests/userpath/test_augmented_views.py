@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
@@ -82,8 +83,11 @@ import torch.distributed as dist
 from shardcache import DistributedCachedDataset
 
 def logged(image, rng):
+    # The process, and which view this is: the sample's bytes and the
+    # generator's state (variant_rng(seed, variant, index) is one per view).
+    view = f"{image.tobytes().hex()[:16]}:{rng.bit_generator.state['state']['state']}"
     with open(LOG, "a") as f:
-        f.write(f"{os.getpid()}\\n")
+        f.write(f"{os.getpid()} {view}\\n")
     return augment(image, rng)
 
 dist.init_process_group("gloo")
@@ -104,7 +108,8 @@ with open(f"views-{rank}.json", "w") as f:
 
 
 def _record(user, s3, tag: str, env: dict[str, str] | None = None) -> tuple:
-    """Run the recording script; returns (per-rank records, augment's pids)."""
+    """Run the recording script; returns (per-rank records, one ``(pid,
+    view)`` per call of augment)."""
     log = user.workdir / f"augment-{tag}.log"
     source = f"LOG = {str(log)!r}\nCHUNK = {CHUNK}\nimport numpy as np\n"
     user.write("record.py", source + AUGMENT + RECORDING)
@@ -113,8 +118,11 @@ def _record(user, s3, tag: str, env: dict[str, str] | None = None) -> tuple:
     records = [
         json.loads((user.workdir / f"views-{r}.json").read_text()) for r in (0, 1)
     ]
-    pids = log.read_text().split() if log.exists() else []
-    return records, pids
+    calls = [
+        tuple(line.split())
+        for line in (log.read_text() if log.exists() else "").splitlines()
+    ]
+    return records, calls
 
 
 def _augment():
@@ -144,15 +152,19 @@ def test_variants_give_k_views_per_sample_and_no_augment_on_the_ranks(
 ):
     images = _images()
     _upload(s3, s3fs_client, images)
-    records, pids = _record(user, s3, "views")
+    records, calls = _record(user, s3, "views")
     views: dict[int, set[bytes]] = {i: set() for i in range(IMAGES)}
     for epoch, i, got, view in _delivered(records, images):
         assert np.array_equal(got, view), (epoch, i)
         views[i].add(got.tobytes())
     assert all(len(v) == K for v in views.values())  # 4 distinct views each
-    # augment ran K times per sample, in build workers, never in a rank.
-    assert len(pids) == K * IMAGES
-    assert not {str(r["pid"]) for r in records} & set(pids)
+    # augment ran once per view (K per sample), in build workers, never in a rank.
+    builds = Counter(view for _, view in calls)
+    assert len(builds) == K * IMAGES
+    assert all(n == 1 for n in builds.values()), {
+        v: n for v, n in builds.items() if n > 1
+    }
+    assert not {str(r["pid"]) for r in records} & {pid for pid, _ in calls}
     assert all(r["stats"]["base_fallback"] == 0 for r in records)
 
 
@@ -167,7 +179,7 @@ def test_variants_beyond_the_budget_are_read_as_the_base_form(
     # Room for the base chunks and about one variant chunk (a chunk of 8
     # samples is 1,554 bytes: 1,536 of pixels, flags and the checksum).
     budget = 3 * 1554 + 1600
-    records, pids = _record(
+    records, calls = _record(
         user, s3, "budget", env={"SHARDCACHE_CACHE_BYTES": str(budget)}
     )
     fallback = 0
@@ -179,4 +191,4 @@ def test_variants_beyond_the_budget_are_read_as_the_base_form(
     assert counted == fallback and 0 < counted < EPOCHS * IMAGES
     served = sum(r["stats"]["variant_samples"] for r in records)
     assert served + counted == EPOCHS * IMAGES
-    assert not {str(r["pid"]) for r in records} & set(pids)
+    assert not {str(r["pid"]) for r in records} & {pid for pid, _ in calls}

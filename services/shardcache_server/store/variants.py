@@ -110,6 +110,12 @@ class VariantBuilds:
             if base[0] not in SERVED:
                 return base
             held = self._table.get(ds.name, base_key)
+        # The caller found the variant missing, but awaited since (the base
+        # above, the disk tier before): a request that found the base held
+        # may have built and admitted it meanwhile. Never build it twice.
+        done = self._table.hit(ds.name, key, version, generation)
+        if done is not None:
+            return (_origin(base[0]), done.ref)
         # 2. No room, or another augment than the one installed: the base form.
         spec = ds.variants
         nbytes = held.nbytes if held is not None else 0  # a variant's, about
@@ -136,9 +142,8 @@ class VariantBuilds:
             self._urgent -= 1
         # 4. The chunk's other variants, in the background.
         self._queue_others(ds, generation, item, variant)
-        if built[0] == Status.HIT and base[0] in (Status.FETCHED, Status.REMOTE_HIT):
-            # Where the rank's samples came from is where the base came from.
-            return (base[0], built[1])
+        if built[0] == Status.HIT:
+            return (_origin(base[0]), built[1])
         return built
 
     def _fits(self, dataset: str, chunk: str, nbytes: int) -> bool:
@@ -256,6 +261,12 @@ class VariantBuilds:
         if not self._fits(ds.name, chunk_name, base.nbytes):
             return  # the variants that fit stay; the rest are read as the base
         await self._start(ds, generation, item, base.ref, base.nbytes)
+
+
+def _origin(base: Status) -> Status:
+    """How a held variant is reported: where the rank's samples came from is
+    where the base came from (read from the source or a peer for it, or a hit)."""
+    return base if base in (Status.FETCHED, Status.REMOTE_HIT) else Status.HIT
 
 
 _NO_ROWS = np.zeros(0, dtype=np.uint64)  # a variant is never rebuilt row by row
