@@ -1,18 +1,18 @@
-"""Which ``shuffle_block`` fits, told to a rank whose full shuffle read outside memory.
+"""Which ``shuffle_block`` fits, told to a rank whose full shuffle rebuilt chunks.
 
 With the default full shuffle every batch touches nearly every chunk of the
-rank's shard. When the node's memory holds only part of its ranks' shards,
-the rest is mapped from the disk tier again and again within the epoch
-(`bench/larger_than_memory.py` measured such a warm epoch at 0.46x of the
-same epoch shuffled in blocks of two chunks, which matches a plain
-DataLoader over page-cached files), or, with no disk tier, rebuilt from the
-source several times an epoch (9 samples/s there).
+rank's shard. With a disk tier that costs nothing much: a rank keeps each
+chunk file it maps for the epoch (``reader.py``), so a warm epoch of data
+3x the memory budget reads at page-cache speed (`bench/larger_than_memory.py`).
+Without one, a chunk evicted from memory is rebuilt from the source each
+time a batch asks for it again, several times an epoch (9 samples/s there);
+blocks of chunks bring that to about once an epoch.
 
 The rank does not switch by itself. The order must stay a function of
 ``(seed, epoch, world, shuffle_block)``: a saved state replays it exactly,
 and every rank of a world must agree on it for an elastic resume
 (``resume/state.py`` checks ``block`` like the seed). What a rank saw of
-its node's memory is neither, so it says which block fits, once, and
+its node's memory is neither, so it says what fits, once, and
 ``stats()["suggested_shuffle_block"]`` keeps the figure.
 """
 
@@ -26,16 +26,15 @@ __all__ = ["MIN_DISK_SHARE", "suggest_block", "warn_once"]
 
 log = logging.getLogger(__name__)
 
-# A few disk reads are not a shard too large for memory: a store restarted
-# with its disk tier serves its files until the chunks are asked for again.
+# A few rebuilds are not a shard too large for memory: a store restarted
+# without a disk tier builds what it held again once.
 MIN_DISK_SHARE = 0.10
 
 
 def suggest_block(local: int, missed: int, chunk_samples: np.ndarray) -> int:
     """Samples per shuffle block for a rank that read ``local`` samples from
-    memory and ``missed`` elsewhere (disk-tier files, or the source again
-    for chunks evicted since they were built) in one warm epoch; ``0`` when
-    the epoch did not need blocks.
+    memory and ``missed`` from the source again (chunks evicted since they
+    were built) in one warm epoch; ``0`` when the epoch did not need blocks.
 
     The share of the epoch that memory held, ``local / (local + missed)``,
     is what the node can keep of this rank's shard; a block of half of it
@@ -44,7 +43,7 @@ def suggest_block(local: int, missed: int, chunk_samples: np.ndarray) -> int:
     windows.
 
     Args:
-        local, missed: samples served from memory and from elsewhere.
+        local, missed: samples served from memory and rebuilt.
         chunk_samples: samples per chunk of this rank's shard.
 
     >>> suggest_block(340, 660, np.full(12, 85))
@@ -64,25 +63,18 @@ def warn_once(dataset: str, block: int, served: dict[str, int]) -> None:
     """Log the advice (the session calls this at most once); ``served``:
     the warm epoch's samples by origin."""
     total = max(sum(served.values()), 1)
-    where = f"{served['disk']} of {total} samples from the disk tier"
-    if served["source"]:
-        # No disk tier (or a full one): each evicted chunk was read from the
-        # source again, which costs more than the order.
-        where = (
-            f"{served['source']} of {total} samples from the source again "
-            "(chunks evicted since they were built; SHARDCACHE_DISK_DIR, the "
-            "chart's disk tier, keeps them on the node's disk)"
-            + (f" and {served['disk']} from the disk tier" if served["disk"] else "")
-        )
     log.warning(
-        "shardcache: dataset %s: the last warm epoch read %s: this node's memory "
-        "holds about %.0f%% of its ranks' shards, and a full shuffle asks for "
-        "every chunk again in each batch. Pass shuffle_block=%d to "
-        "DistributedCachedDataset to read each chunk once per epoch (from the "
-        "disk tier measured 2x faster, bench/larger_than_memory.py); resume "
-        "from a state saved without it needs the same setting.",
+        "shardcache: dataset %s: the last warm epoch read %d of %d samples from "
+        "the source again: this node's memory holds about %.0f%% of its ranks' "
+        "shards, and a chunk evicted since it was built is rebuilt each time a "
+        "batch of the full shuffle asks for it. SHARDCACHE_DISK_DIR (the "
+        "chart's disk tier) keeps evicted chunks on the node's disk, read at "
+        "page-cache speed; without one, pass shuffle_block=%d to "
+        "DistributedCachedDataset to build each chunk about once per epoch "
+        "(a resume from a state saved without it needs the same setting).",
         dataset,
-        where,
+        served["source"],
+        total,
         100.0 * served["local"] / total,
         block,
     )

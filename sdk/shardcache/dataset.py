@@ -108,11 +108,11 @@ class DistributedCachedDataset(Dataset[Any]):
         shuffle_block: shuffle this rank's chunks in blocks of about this
             many samples instead of the whole shard at once (Mosaic's shuffle
             blocks): set it when the node's cache holds less than its ranks'
-            shards, so each chunk is read once per epoch instead of in every
-            batch (``docs/architecture.md``, "Shuffle blocks"); a rank that
-            mapped disk-tier files in a warm epoch logs the block that fits
-            (``stats()["suggested_shuffle_block"]``). Defaults to ``None``
-            (the whole shard).
+            shards and no disk tier keeps the rest, so each chunk is built
+            once per epoch instead of in every batch (``docs/architecture.md``,
+            "Shuffle blocks"); a rank that rebuilt chunks in a warm epoch logs
+            the block that fits (``stats()["suggested_shuffle_block"]``).
+            Defaults to ``None`` (the whole shard).
         seed, drop_last: as for DistributedSampler.
         prefetch_batches: batches whose chunks are resolved ahead.
         revalidate: when a new job re-lists the source. ``"job"`` (the

@@ -33,6 +33,9 @@ PREFETCH_DEPTH = 4  # store calls in flight per rank
 TRANSIENT_KEPT = (
     32  # chunks not held (store did not cache them) kept for the next batches
 )
+# Disk-tier files kept mapped for the epoch: page cache, no memory of the
+# process's own, one mapping each (far below vm.max_map_count, 65,530).
+MAPS_KEPT = 4096
 
 
 class ChunkReader:
@@ -216,7 +219,12 @@ class ChunkReader:
         items = self.manifest.chunk_items(chunks, self.versions)
         if self.variants is not None and variant is not None:
             items = [self.variants.item(it, variant) for it in items]
-        results = self.client.resolve(self.name, generation, items, self.digest)
+        # Past the hold budget a chunk from memory is asked for again in every
+        # batch that touches it; its disk-tier file, kept mapped, once an epoch.
+        spent = self.hold_bytes - self._held_bytes < max((it[2] for it in items), default=0)
+        results = self.client.resolve(
+            self.name, generation, items, self.digest, prefer_files=spent
+        )
         # A disk-tier file is mapped again on every resolve (it is not held):
         # sampled once per epoch, as a held chunk is once, since a check
         # reads the whole file where the batch reads a few rows.
@@ -285,23 +293,26 @@ class ChunkReader:
         return out
 
     def _keep_transient(self, c: int, chunk: Chunk, nbytes: int) -> None:
-        """Keep a chunk for the next few batches: ``TRANSIENT_KEPT`` at most,
-        and those that cost bytes within the hold budget (``hold_bytes=0``
-        keeps none of them: every batch asks the store again); ``nbytes`` is
-        what it counts against that budget (0 for a mapped disk-tier file)."""
+        """Keep a chunk for the coming batches: a mapped disk-tier file
+        (``nbytes`` 0) for the epoch, ``MAPS_KEPT`` at most; a chunk that
+        costs bytes for the next few batches, ``TRANSIENT_KEPT`` at most and
+        within the hold budget (``hold_bytes=0`` keeps none of them: every
+        batch asks the store again)."""
         old = self._transient.pop(c, None)
         if old is not None:
             self._transient_bytes -= old[1]
         self._transient[c] = (chunk, nbytes)
         self._transient_bytes += nbytes
-        while len(self._transient) > TRANSIENT_KEPT:
-            _, (_, dropped) = self._transient.popitem(last=False)
-            self._transient_bytes -= dropped
-        # Over the byte budget, only chunks that cost bytes go (oldest
-        # first): dropping a mapped file frees nothing, and with
-        # hold_bytes=0 every chunk from memory would otherwise wipe the maps.
-        for old in [k for k, (_, n) in self._transient.items() if n]:
-            if self._transient_bytes <= self.hold_bytes:
+        # Mapped files and chunks that cost bytes are kept by rules of their
+        # own (oldest go first): a chunk from memory never drops a map, which
+        # would free nothing, and with hold_bytes=0 would wipe every map.
+        maps = [k for k, (_, n) in self._transient.items() if not n]
+        for old in maps[: max(0, len(maps) - MAPS_KEPT)]:
+            del self._transient[old]
+        costly = [k for k, (_, n) in self._transient.items() if n]
+        for i, old in enumerate(costly):
+            over = len(costly) - i > TRANSIENT_KEPT
+            if not over and self._transient_bytes <= self.hold_bytes:
                 break
             self._transient_bytes -= self._transient.pop(old)[1]
 

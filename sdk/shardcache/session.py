@@ -380,8 +380,9 @@ class RankSession:
             self.reader.new_epoch()
 
     def _advise_block(self) -> None:
-        """After a warm epoch that read many chunks from outside memory under
-        a full shuffle, say once which ``shuffle_block`` fits (block_advice.py)."""
+        """After a warm epoch under a full shuffle that rebuilt many evicted
+        chunks from the source, say once which ``shuffle_block`` fits and
+        that a disk tier keeps them (block_advice.py)."""
         reader, sampler = self.reader, self.sampler
         if reader is None or not self.is_current or self.consumed == 0:
             return  # no batch since the last call (set_epoch twice): nothing new
@@ -410,15 +411,13 @@ class RankSession:
         ):
             return
         if not (was_built and is_whole):
-            if served["source"] > block_advice.MIN_DISK_SHARE * total:
-                return  # first builds: they say nothing about memory
-            served["source"] = 0
-        # Peer reads are chunks on another node (a new world): not memory.
-        missed = served["disk"] + served["source"]
+            return  # first builds: they say nothing about memory
+        # Disk-tier files are kept mapped for the epoch (reader.py): only
+        # rebuilds cost the full shuffle. Peer reads are another node's.
         _, per_chunk = np.unique(
             sampler.layout.chunk_of(sampler.shard), return_counts=True
         )
-        block = block_advice.suggest_block(served["local"], missed, per_chunk)
+        block = block_advice.suggest_block(served["local"], served["source"], per_chunk)
         if block:
             self.suggested_block = block
             block_advice.warn_once(self.spec.name, block, served)

@@ -134,9 +134,15 @@ class Transport(Protocol):
         generation: int,
         items: Sequence[ChunkItem],
         digest: str | None = None,
+        *,
+        prefer_files: bool = False,
     ) -> list[tuple[str, Any]]:
         """``(Status, columns)`` per item, in order; columns are read-only
         views (the object store, shared memory or the received stream).
+        ``prefer_files``: the caller keeps no chunk from memory between
+        batches, so a chunk on the node's disk tier is better handed as its
+        file (mapped, kept for the epoch, pinning no memory) where the
+        transport can.
 
         Raises:
             StaleVersionError: ``generation`` was invalidated meanwhile.

@@ -183,6 +183,8 @@ class CacheClient:
         generation: int,
         items: Sequence[tuple[str, str, int]],
         digest: str | None = None,
+        *,
+        prefer_files: bool = False,
     ) -> list[tuple[str, Any]]:
         """``(status, columns)`` per chunk: :meth:`get_refs` then one ``ray.get``
         (zero-copy views of this node's object store). A chunk the store
@@ -198,7 +200,12 @@ class CacheClient:
 
         for attempt in range(2):
             results = self.get_refs(
-                name, generation, items, digest, files=self._maps_files
+                name,
+                generation,
+                items,
+                digest,
+                files=self._maps_files,
+                prefer_files=prefer_files and self._maps_files,
             )
             values: list[Any] = [None] * len(results)
             gone = []
@@ -298,13 +305,16 @@ class CacheClient:
         digest: str | None = None,
         *,
         files: bool = False,
+        prefer_files: bool = False,
     ) -> list[tuple[str, Any]]:
         """One store call for many chunks: ``(status, ObjectRef)`` per item.
 
         ``items`` are ``(chunk key, chunk version, source bytes)``; ``digest``
         names the listing their versions come from. ``files``: this process
         maps chunk files, so a chunk only on the node's disk tier may come
-        back as ``(Status.DISK, path)`` instead of a reference.
+        back as ``(Status.DISK, path)`` instead of a reference;
+        ``prefer_files``: a chunk held in memory too, where its file is
+        written (see the store's ``get``).
 
         Raises:
             StaleVersionError: ``generation`` was invalidated meanwhile.
@@ -318,7 +328,12 @@ class CacheClient:
             results = self._call(
                 lambda: ray.get(
                     self._store.get.remote(
-                        name, generation, list(items), digest=digest, files=files
+                        name,
+                        generation,
+                        list(items),
+                        digest=digest,
+                        files=files,
+                        prefer_files=prefer_files,
                     ),
                     timeout=self.config.request_timeout_s,
                 )

@@ -230,9 +230,12 @@ class ProxyClient:
         generation: int,
         items: list[tuple[str, str, int]],
         digest: str | None,
+        *,
+        prefer_files: bool = False,
     ) -> list[tuple[str, dict[str, np.ndarray]]]:
         """``(status, columns)`` per chunk; columns view shared memory (local)
-        or the received stream (remote)."""
+        or the received stream (remote). ``prefer_files`` changes nothing:
+        the endpoint hands a local chunk as a file already."""
         out: list[tuple[str, dict[str, np.ndarray]]] = []
         for i in range(0, len(items), MAX_FDS_PER_FRAME):
             out += self._chunks(

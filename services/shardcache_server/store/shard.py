@@ -255,6 +255,7 @@ class CacheShard:
         forwarded: bool = False,
         digest: str | None = None,
         files: bool = False,
+        prefer_files: bool = False,
     ) -> list[Result]:
         """Return a chunk reference (or an error record) for every item, in order.
 
@@ -275,6 +276,12 @@ class CacheShard:
         An item whose key names an augmented variant (``c<n>.v<k>``) is
         served by ``store/variants.py``: held, built here from the base, or
         answered with the base form when the budget cannot hold it.
+
+        ``prefer_files`` (with ``files``): the caller keeps no chunk from
+        memory between batches (its hold budget is spent), so a held chunk
+        whose file is on the disk tier is answered with the file too: the
+        caller keeps a mapped file for its epoch without pinning memory and
+        asks for it once an epoch instead of once a batch.
         """
         self._ensure_started()
         ds = self._datasets.get(dataset)
@@ -323,8 +330,18 @@ class CacheShard:
         # claimed, forwarded or written to the disk tier.
         variants = [i for i in missed if keys.is_variant_key(items[i][0])]
         missed = [i for i in missed if not keys.is_variant_key(items[i][0])]
-        if missed and files and not forwarded and self._spill is not None:
-            missed = await self._serve_files(ds, generation, items, missed, results)
+        if files and not forwarded and self._spill is not None:
+            if prefer_files:
+                held = [
+                    i
+                    for i, res in enumerate(results)
+                    if res is not None and not keys.is_variant_key(items[i][0])
+                ]
+                await self._serve_files(
+                    ds, generation, items, held, results, counted=True
+                )
+            if missed:
+                missed = await self._serve_files(ds, generation, items, missed, results)
         if missed or variants:
             bases, views = await asyncio.gather(
                 self._misses.get(
@@ -348,28 +365,34 @@ class CacheShard:
         ds: Dataset,
         generation: int,
         items: list[Item],
-        missed: list[int],
+        asked: list[int],
         results: list[Result | None],
+        *,
+        counted: bool = False,
     ) -> list[int]:
-        """Answer missed items with their disk-tier file where that is the
-        better choice (see :meth:`get`); returns the items still missed."""
+        """Answer items with their disk-tier file where that is the better
+        choice (see :meth:`get`); returns the items not answered. ``counted``:
+        the items are held in memory, already counted as hits, and answered
+        with their file whenever it is written."""
         assert self._spill is not None
         if generation != self._table.generation[ds.name]:
-            return missed
-        found = await self._spill.files(ds, generation, [items[i] for i in missed])
+            return asked
+        found = await self._spill.files(ds, generation, [items[i] for i in asked])
         policy, retired = self._table.policy, self._table.retired
         counts = (ds.name, generation)
         rest = []
-        for i, file in zip(missed, found, strict=True):
+        for i, file in zip(asked, found, strict=True):
             if file is None:
                 rest.append(i)
                 continue
             path, nbytes = file
-            if policy.used_bytes + retired.nbytes + nbytes <= policy.budget_bytes:
+            room = policy.used_bytes + retired.nbytes + nbytes <= policy.budget_bytes
+            if room and not counted:
                 rest.append(i)  # room to spare: back into memory (miss path)
                 continue
             results[i] = (Status.DISK, path)
-            self._stats.add(counts, "hits")
+            if not counted:
+                self._stats.add(counts, "hits")
             self._stats.add(counts, "disk_files")
         return rest
 
