@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.checksum import check_resolved
+from shardcache.chunk_file import will_need
 from shardcache.chunks import Chunk
 from shardcache.manifest import Manifest
 from shardcache.transport.base import Status, Transport
@@ -221,7 +222,9 @@ class ChunkReader:
             items = [self.variants.item(it, variant) for it in items]
         # Past the hold budget a chunk from memory is asked for again in every
         # batch that touches it; its disk-tier file, kept mapped, once an epoch.
-        spent = self.hold_bytes - self._held_bytes < max((it[2] for it in items), default=0)
+        spent = self.hold_bytes - self._held_bytes < max(
+            (it[2] for it in items), default=0
+        )
         results = self.client.resolve(
             self.name, generation, items, self.digest, prefer_files=spent
         )
@@ -315,6 +318,22 @@ class ChunkReader:
             if not over and self._transient_bytes <= self.hold_bytes:
                 break
             self._transient_bytes -= self._transient.pop(old)[1]
+
+    def read_ahead(self, upcoming: np.ndarray) -> None:
+        """Start reading the rows of ``upcoming`` samples from the disk-tier
+        files this process keeps mapped (``chunk_file.will_need``), so their
+        pages arrive while the current batch is used; rows of chunks in
+        memory, or not asked for yet this epoch, are left alone."""
+        if len(upcoming) == 0 or not self._transient:
+            return
+        chunk_ids, rows = self.locate(upcoming)
+        for c, row in zip(chunk_ids.tolist(), rows.tolist(), strict=True):
+            kept = self._transient.get(c)
+            if kept is None or kept[1]:
+                continue  # not mapped from a file
+            sample = kept[0].sample(row)
+            for array in sample.values() if isinstance(sample, dict) else [sample]:
+                will_need(array)
 
     def prefetch(self, upcoming: np.ndarray) -> None:
         """Resolve the chunks of ``upcoming`` sample indices in the background,

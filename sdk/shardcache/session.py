@@ -42,6 +42,7 @@ __all__ = ["RankSession"]
 
 RANK_REPORT_EVERY = 50  # batches between best-effort rank reports to Redis
 STALE_RETRIES = 3  # generations a batch may try before the stores' error stands
+READ_AHEAD_BATCHES = 2  # batches whose rows in mapped files are read ahead
 log = logging.getLogger("shardcache")
 
 
@@ -102,6 +103,7 @@ class RankSession:
         self.consumed = 0  # samples this process handed out this epoch
         self.cursor = 0  # where in the epoch's order the next batch starts
         self.batch_size = 0  # the first batch's, for the prefetch window
+        self._read_ahead_to = (-1, 0)  # (epoch, position) read ahead up to
         self.epoch_reported = False
         self.warned_skip = False
         # The reader's served counts when this epoch began, and the shuffle
@@ -294,6 +296,15 @@ class RankSession:
         prefetch_batches = self.spec.config.prefetch_batches
         if prefetch_batches:
             order = self.sampler.order()
+            # The next batches' rows in mapped disk-tier files: read from the
+            # disk while this batch is used (a page cache smaller than the
+            # data would otherwise fault them in one by one in the gather).
+            ahead = self.cursor + READ_AHEAD_BATCHES * self.batch_size
+            epoch, done = self._read_ahead_to
+            same = epoch == self.sampler.epoch  # rows before ``done`` are asked
+            start = max(self.cursor, done) if same else self.cursor
+            reader.read_ahead(order[start:ahead])
+            self._read_ahead_to = (self.sampler.epoch, ahead)
             window = prefetch_batches * self.batch_size
             # The first batch asks for the whole rest of the epoch: a cold
             # epoch then keeps every core of the node's stores busy (the

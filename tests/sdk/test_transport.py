@@ -168,7 +168,7 @@ class _ListTransport:
     def install(self, spec, preprocess, target=None):
         pass
 
-    def resolve(self, name, generation, items, digest=None):
+    def resolve(self, name, generation, items, digest=None, *, prefer_files=False):
         self.calls.append([key for key, _, _ in items])
         status = Status.FETCHED if len(self.calls) == 1 else Status.HIT
         return [(status, self.chunks[key]) for key, _, _ in items]
