@@ -34,8 +34,9 @@ class MemoryLimit:
         self.limit = mib * 2**20
         name = f"shardcache-bench-{os.getpid()}"
         self.v1 = (V1 / "memory.limit_in_bytes").exists()
-        self.group = (V1 if self.v1 else V2) / name
-        self.parent = V1 if self.v1 else V2
+        root = V1 if self.v1 else V2
+        self.group = root / name
+        self.parent = root / _own_group(self.v1)  # where this process was
 
     def __enter__(self) -> MemoryLimit:
         try:
@@ -83,3 +84,12 @@ class MemoryLimit:
             self.group.rmdir()
         except OSError:
             pass  # a child still in it (Ray's last process exiting): left behind
+
+
+def _own_group(v1: bool) -> str:
+    """This process's memory cgroup, relative to the mount (``/proc/self/cgroup``)."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if (v1 and "memory" in controllers.split(",")) or (not v1 and not controllers):
+            return path.lstrip("/")
+    return ""

@@ -159,6 +159,12 @@ def read_chunk_buffer(
     return columns, header.get("meta", {})
 
 
+try:  # numpy >= 2.0 moved it
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds
+except ImportError:  # numpy 1.26
+    _byte_bounds = np.byte_bounds
+
+
 def _mapping(array: np.ndarray) -> mmap.mmap | None:
     """The file mapping ``array`` views, if any (``read_chunk_file``'s columns
     and views of them: ndarray -> ... -> memoryview -> mmap)."""
@@ -186,9 +192,11 @@ def will_need(array: np.ndarray) -> None:
     mapped = _mapping(array)
     if mapped is None or array.nbytes == 0 or not hasattr(mapped, "madvise"):
         return
-    start = array.ctypes.data - np.frombuffer(mapped, np.uint8).ctypes.data
-    aligned = start - start % mmap.PAGESIZE
     try:
-        mapped.madvise(mmap.MADV_WILLNEED, aligned, start + array.nbytes - aligned)
+        low, high = _byte_bounds(array)  # any strides: the span it touches
+        base = np.frombuffer(mapped, np.uint8).__array_interface__["data"][0]
+        start = low - base
+        aligned = start - start % mmap.PAGESIZE
+        mapped.madvise(mmap.MADV_WILLNEED, aligned, high - base - aligned)
     except (OSError, ValueError):
         pass  # advice only: the gather faults the pages in as before

@@ -77,8 +77,12 @@ class ChunkReader:
         self._lock = threading.Lock()
         self._held: dict[int, Chunk] = {}
         self._held_bytes = 0
-        self._transient: OrderedDict[int, tuple[Chunk, int]] = OrderedDict()
+        self._transient: OrderedDict[int, Chunk] = OrderedDict()
         self._transient_bytes = 0
+        # Disk-tier files kept mapped for the epoch: page cache, not memory
+        # of this process's own, so kept by count apart from the byte budget.
+        self._maps: OrderedDict[int, Chunk] = OrderedDict()
+        self._largest = 0  # the largest chunk resolved, as held (decoded) bytes
         self._origin: dict[int, str] = {}
         self._sourced: dict[int, np.ndarray] = {}  # partial rebuilds' source rows
         self._disk_sampled: set[int] = set()  # disk-tier files checked this epoch
@@ -102,7 +106,8 @@ class ChunkReader:
                     self._held_bytes -= chunk.nbytes
                 dropped = self._transient.pop(int(c), None)
                 if dropped is not None:
-                    self._transient_bytes -= dropped[1]
+                    self._transient_bytes -= dropped.nbytes
+                self._maps.pop(int(c), None)
 
     def use_generation(self, generation: int) -> None:
         """Switch to ``generation``; what was held belongs to the old one."""
@@ -130,6 +135,7 @@ class ChunkReader:
         self._held_bytes = 0
         self._transient.clear()
         self._transient_bytes = 0
+        self._maps.clear()
         self._origin.clear()
         self._sourced.clear()
         self._pending.clear()
@@ -151,6 +157,7 @@ class ChunkReader:
             self._disk_sampled.clear()
             self._transient.clear()
             self._transient_bytes = 0
+            self._maps.clear()
             self.saw_uncached = False
 
     # -- batches ---------------------------------------------------------------------------
@@ -184,8 +191,11 @@ class ChunkReader:
 
     def _kept(self, c: int) -> Chunk | None:
         """Chunk ``c`` if held or kept for the coming batches."""
-        kept = self._transient.get(c)
-        return self._held.get(c) or (kept[0] if kept is not None else None)
+        for kept in (self._held, self._transient, self._maps):
+            chunk = kept.get(c)
+            if chunk is not None:
+                return chunk
+        return None
 
     def count(self, chunk_ids: np.ndarray, indices: np.ndarray) -> dict[str, int]:
         """Count one batch's samples by where their chunk came from (per chunk);
@@ -222,9 +232,9 @@ class ChunkReader:
             items = [self.variants.item(it, variant) for it in items]
         # Past the hold budget a chunk from memory is asked for again in every
         # batch that touches it; its disk-tier file, kept mapped, once an epoch.
-        spent = self.hold_bytes - self._held_bytes < max(
-            (it[2] for it in items), default=0
-        )
+        # Decoded sizes once any chunk was seen (source sizes may be smaller).
+        largest = self._largest or max((it[2] for it in items), default=0)
+        spent = self.hold_bytes - self._held_bytes < largest
         results = self.client.resolve(
             self.name, generation, items, self.digest, prefer_files=spent
         )
@@ -256,6 +266,7 @@ class ChunkReader:
             for c, (status, value) in zip(chunks, results, strict=True):
                 chunk = Chunk(value)
                 out[c] = chunk
+                self._largest = max(self._largest, chunk.nbytes)
                 if not current:
                     continue
                 # Asked for a variant, served the base form: the stores could
@@ -289,51 +300,62 @@ class ChunkReader:
                     self.saw_uncached = self.saw_uncached or status == Status.UNCACHED
                     # A mapped disk-tier file costs no memory of this process's
                     # own (clean page-cache pages the kernel may reclaim): kept
-                    # by count only, so hold_bytes=0 still reuses it.
-                    self._keep_transient(
-                        c, chunk, 0 if status == Status.DISK else chunk.nbytes
-                    )
+                    # for the epoch by count only, so hold_bytes=0 reuses it.
+                    if status == Status.DISK:
+                        self._keep_map(c, chunk)
+                    else:
+                        self._keep_transient(c, chunk)
         return out
 
-    def _keep_transient(self, c: int, chunk: Chunk, nbytes: int) -> None:
-        """Keep a chunk for the coming batches: a mapped disk-tier file
-        (``nbytes`` 0) for the epoch, ``MAPS_KEPT`` at most; a chunk that
-        costs bytes for the next few batches, ``TRANSIENT_KEPT`` at most and
-        within the hold budget (``hold_bytes=0`` keeps none of them: every
-        batch asks the store again)."""
+    def _keep_transient(self, c: int, chunk: Chunk) -> None:
+        """Keep a chunk from memory for the next few batches: ``TRANSIENT_KEPT``
+        at most, within the hold budget (``hold_bytes=0`` keeps none: every
+        batch asks the store again). Oldest go first."""
         old = self._transient.pop(c, None)
         if old is not None:
-            self._transient_bytes -= old[1]
-        self._transient[c] = (chunk, nbytes)
-        self._transient_bytes += nbytes
-        # Mapped files and chunks that cost bytes are kept by rules of their
-        # own (oldest go first): a chunk from memory never drops a map, which
-        # would free nothing, and with hold_bytes=0 would wipe every map.
-        maps = [k for k, (_, n) in self._transient.items() if not n]
-        for old in maps[: max(0, len(maps) - MAPS_KEPT)]:
-            del self._transient[old]
-        costly = [k for k, (_, n) in self._transient.items() if n]
-        for i, old in enumerate(costly):
-            over = len(costly) - i > TRANSIENT_KEPT
-            if not over and self._transient_bytes <= self.hold_bytes:
-                break
-            self._transient_bytes -= self._transient.pop(old)[1]
+            self._transient_bytes -= old.nbytes
+        self._transient[c] = chunk
+        self._transient_bytes += chunk.nbytes
+        while self._transient and (
+            len(self._transient) > TRANSIENT_KEPT
+            or self._transient_bytes > self.hold_bytes
+        ):
+            _, dropped = self._transient.popitem(last=False)
+            self._transient_bytes -= dropped.nbytes
 
-    def read_ahead(self, upcoming: np.ndarray) -> None:
+    def _keep_map(self, c: int, chunk: Chunk) -> None:
+        """Keep a mapped disk-tier file for the epoch, ``MAPS_KEPT`` at most
+        (oldest go first); a chunk from memory never drops one."""
+        self._maps.pop(c, None)
+        self._maps[c] = chunk
+        while len(self._maps) > MAPS_KEPT:
+            self._maps.popitem(last=False)
+
+    def read_ahead(self, upcoming: np.ndarray) -> int:
         """Start reading the rows of ``upcoming`` samples from the disk-tier
         files this process keeps mapped (``chunk_file.will_need``), so their
         pages arrive while the current batch is used; rows of chunks in
-        memory, or not asked for yet this epoch, are left alone."""
-        if len(upcoming) == 0 or not self._transient:
-            return
+        memory are left alone.
+
+        Returns:
+            How many leading samples are settled: every one before the first
+            whose chunk was not asked for yet this epoch (ask again later).
+        """
+        settled = len(upcoming)
+        if settled == 0 or not self._maps:
+            return settled  # nothing read from files (yet): nothing to wait for
         chunk_ids, rows = self.locate(upcoming)
-        for c, row in zip(chunk_ids.tolist(), rows.tolist(), strict=True):
-            kept = self._transient.get(c)
-            if kept is None or kept[1]:
-                continue  # not mapped from a file
-            sample = kept[0].sample(row)
+        pairs = zip(chunk_ids.tolist(), rows.tolist(), strict=True)
+        for j, (c, row) in enumerate(pairs):
+            mapped = self._maps.get(c)
+            if mapped is None:
+                if settled == len(upcoming) and self._kept(c) is None:
+                    settled = j  # not asked for yet: its file may come
+                continue
+            sample = mapped.sample(row)
             for array in sample.values() if isinstance(sample, dict) else [sample]:
                 will_need(array)
+        return settled
 
     def prefetch(self, upcoming: np.ndarray) -> None:
         """Resolve the chunks of ``upcoming`` sample indices in the background,
@@ -349,6 +371,7 @@ class ChunkReader:
             if c not in self._held
             and c not in self._pending
             and c not in self._transient
+            and c not in self._maps
         ]
         if not todo:
             return

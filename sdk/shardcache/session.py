@@ -303,8 +303,8 @@ class RankSession:
             epoch, done = self._read_ahead_to
             same = epoch == self.sampler.epoch  # rows before ``done`` are asked
             start = max(self.cursor, done) if same else self.cursor
-            reader.read_ahead(order[start:ahead])
-            self._read_ahead_to = (self.sampler.epoch, ahead)
+            settled = reader.read_ahead(order[start:ahead])
+            self._read_ahead_to = (self.sampler.epoch, start + settled)
             window = prefetch_batches * self.batch_size
             # The first batch asks for the whole rest of the epoch: a cold
             # epoch then keeps every core of the node's stores busy (the

@@ -118,7 +118,7 @@ def test_a_warm_epoch_maps_each_disk_tier_file_once_with_nothing_held(
 
     def counting(*args, **kwargs):
         results = asked(*args, **kwargs)
-        named.update(path for status, path in results if status == Status.DISK)
+        named.update(r[1] for r in results if r[0] == Status.DISK)
         return results
 
     client.get_refs = counting

@@ -317,6 +317,7 @@ class CacheShard:
         counts = (dataset, generation)
         results: list[Result | None] = [None] * len(items)
         missed: list[int] = []
+        held_bytes: dict[int, int] = {}  # served from memory: bytes_served
         for i, (url, etag, _) in enumerate(items):
             cached = self._table.hit(dataset, url, etag, generation)
             if cached is None:
@@ -325,7 +326,7 @@ class CacheShard:
             results[i] = (Status.HIT, cached.ref)
             if not forwarded:
                 self._stats.add(counts, "hits")
-                self._stats.add(counts, "bytes_served", cached.nbytes)
+                held_bytes[i] = cached.nbytes
         # Variants are built here from the base (store/variants.py), never
         # claimed, forwarded or written to the disk tier.
         variants = [i for i in missed if keys.is_variant_key(items[i][0])]
@@ -342,6 +343,10 @@ class CacheShard:
                 )
             if missed:
                 missed = await self._serve_files(ds, generation, items, missed, results)
+        for i, nbytes in held_bytes.items():
+            res = results[i]
+            if res is not None and res[0] == Status.HIT:  # not handed as its file
+                self._stats.add(counts, "bytes_served", nbytes)
         if missed or variants:
             bases, views = await asyncio.gather(
                 self._misses.get(
