@@ -116,7 +116,9 @@ def main() -> None:
         )
         for _ in plain:  # its first epoch pages the files in
             pass
-        out["plain_pinned"] = _timed(plain, lambda b: b.cuda(non_blocking=True), step)
+        out["plain_pinned"] = _timed(
+            plain, lambda b: b.cuda(non_blocking=True), step
+        )
         print(json.dumps(out, indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -22,13 +22,13 @@ import logging
 
 import numpy as np
 
-__all__ = ["MIN_DISK_SHARE", "suggest_block", "warn_once"]
+__all__ = ["MIN_REBUILT_SHARE", "suggest_block", "warn_once"]
 
 log = logging.getLogger(__name__)
 
 # A few rebuilds are not a shard too large for memory: a store restarted
 # without a disk tier builds what it held again once.
-MIN_DISK_SHARE = 0.10
+MIN_REBUILT_SHARE = 0.10
 
 
 def suggest_block(local: int, missed: int, chunk_samples: np.ndarray) -> int:
@@ -52,7 +52,7 @@ def suggest_block(local: int, missed: int, chunk_samples: np.ndarray) -> int:
     0
     """
     total = local + missed
-    if total <= 0 or missed / total < MIN_DISK_SHARE or len(chunk_samples) == 0:
+    if total <= 0 or missed / total < MIN_REBUILT_SHARE or len(chunk_samples) == 0:
         return 0
     per_chunk = float(np.mean(chunk_samples))
     chunks = max(1, round(local / total * len(chunk_samples) / 2))

@@ -419,10 +419,9 @@ class RankSession:
             or not sampler.shuffle
             or sampler.block
             or total == 0
+            or not (was_built and is_whole)  # first builds say nothing of memory
         ):
             return
-        if not (was_built and is_whole):
-            return  # first builds: they say nothing about memory
         # Disk-tier files are kept mapped for the epoch (reader.py): only
         # rebuilds cost the full shuffle. Peer reads are another node's.
         _, per_chunk = np.unique(

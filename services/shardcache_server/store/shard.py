@@ -332,17 +332,15 @@ class CacheShard:
         variants = [i for i in missed if keys.is_variant_key(items[i][0])]
         missed = [i for i in missed if not keys.is_variant_key(items[i][0])]
         if files and not forwarded and self._spill is not None:
-            if prefer_files:
-                held = [
-                    i
-                    for i, res in enumerate(results)
-                    if res is not None and not keys.is_variant_key(items[i][0])
-                ]
-                await self._serve_files(
-                    ds, generation, items, held, results, counted=True
+            held = [
+                i
+                for i in held_bytes
+                if prefer_files and not keys.is_variant_key(items[i][0])
+            ]
+            if held or missed:
+                missed = await self._serve_files(
+                    ds, generation, items, missed, results, held=held
                 )
-            if missed:
-                missed = await self._serve_files(ds, generation, items, missed, results)
         for i, nbytes in held_bytes.items():
             res = results[i]
             if res is not None and res[0] == Status.HIT:  # not handed as its file
@@ -370,33 +368,37 @@ class CacheShard:
         ds: Dataset,
         generation: int,
         items: list[Item],
-        asked: list[int],
+        missed: list[int],
         results: list[Result | None],
         *,
-        counted: bool = False,
+        held: list[int],
     ) -> list[int]:
-        """Answer items with their disk-tier file where that is the better
-        choice (see :meth:`get`); returns the items not answered. ``counted``:
-        the items are held in memory, already counted as hits, and answered
-        with their file whenever it is written."""
+        """Answer missed items with their disk-tier file where that is the
+        better choice (see :meth:`get`), and ``held`` items (in memory,
+        already counted as hits; ``prefer_files``) whenever their file is
+        written, with one look at the disk tier; returns the items still
+        missed."""
         assert self._spill is not None
         if generation != self._table.generation[ds.name]:
-            return asked
+            return missed
+        asked = held + missed
         found = await self._spill.files(ds, generation, [items[i] for i in asked])
         policy, retired = self._table.policy, self._table.retired
         counts = (ds.name, generation)
         rest = []
-        for i, file in zip(asked, found, strict=True):
+        for j, (i, file) in enumerate(zip(asked, found, strict=True)):
+            is_held = j < len(held)
             if file is None:
-                rest.append(i)
+                if not is_held:
+                    rest.append(i)
                 continue
             path, nbytes = file
             room = policy.used_bytes + retired.nbytes + nbytes <= policy.budget_bytes
-            if room and not counted:
+            if room and not is_held:
                 rest.append(i)  # room to spare: back into memory (miss path)
                 continue
             results[i] = (Status.DISK, path)
-            if not counted:
+            if not is_held:
                 self._stats.add(counts, "hits")
             self._stats.add(counts, "disk_files")
         return rest
