@@ -78,6 +78,20 @@ async def _epochs(shard, items, epochs, first=0):
     return out
 
 
+async def _cold_then_warm(s3, cfg, spec, items):
+    """One store, a cold epoch, its disk writes flushed, a warm epoch:
+    ``(cold, GETs after the cold epoch, warm, info)``."""
+    shard = _shard(cfg)
+    await shard.install(spec, raw_bytes)
+    cold = await _epochs(shard, items, 1)
+    await shard.flush_disk()
+    gets = s3.total_gets
+    warm = await _epochs(shard, items, 1, first=1)
+    info = await shard.info()
+    await shard.close()  # stats flushed; the files stay
+    return cold, gets, warm, info
+
+
 def test_store_gets_at_half_cache_clairvoyant_equals_belady_min_and_beats_static(
     s3, s3fs_client, bucket, redis_url
 ):
@@ -127,18 +141,7 @@ def test_store_disk_tier_serves_ram_misses_and_survives_restart(
     )
     expected = {i: bytes([i]) * 100 for i in range(PER_CHUNK * CHUNKS)}
 
-    async def first_store():
-        shard = _shard(cfg)
-        await shard.install(spec, raw_bytes)
-        cold = await _epochs(shard, items, 1)
-        await shard.flush_disk()
-        gets = s3.total_gets
-        warm = await _epochs(shard, items, 1, first=1)
-        info = await shard.info()
-        await shard.close()  # stats flushed; the files stay
-        return cold, gets, warm, info
-
-    cold, cold_gets, warm, info = asyncio.run(first_store())
+    cold, cold_gets, warm, info = asyncio.run(_cold_then_warm(s3, cfg, spec, items))
     assert cold == [expected] and warm == [expected]
     assert cold_gets == PER_CHUNK * CHUNKS  # each object read once
     assert s3.total_gets == cold_gets  # the warm epoch read only RAM and disk
@@ -161,6 +164,32 @@ def test_store_disk_tier_serves_ram_misses_and_survives_restart(
 
     assert asyncio.run(restarted_store()) == [expected]
     assert s3.total_gets == cold_gets  # zero GETs after the restart
+
+
+def test_store_disk_tier_keeps_chunks_larger_than_the_whole_memory_budget(
+    s3, s3fs_client, bucket, redis_url, redis, tmp_path
+):
+    # float32 images decode to ~4x their source bytes, so a 16 MiB chunk can
+    # outgrow a small budget: memory holds none, the disk tier keeps them all.
+    cfg, _, spec, items = _setup(
+        s3,
+        s3fs_client,
+        bucket,
+        redis_url,
+        cache_bytes=_chunk_nbytes() - 1,
+        disk_dir=str(tmp_path / "disk"),
+    )
+    expected = {i: bytes([i]) * 100 for i in range(PER_CHUNK * CHUNKS)}
+
+    cold, cold_gets, warm, info = asyncio.run(_cold_then_warm(s3, cfg, spec, items))
+    assert cold == [expected] and warm == [expected]
+    assert cold_gets == PER_CHUNK * CHUNKS
+    assert s3.total_gets == cold_gets  # the warm epoch read the disk tier
+    assert info["entries"] == 0 and info["disk_chunks"] == CHUNKS
+    stats = redis.hgetall(keys.stats_key(cfg.namespace, "ds"))
+    assert int(stats["disk_writes"]) == CHUNKS
+    # Every request but a chunk's first loads its file (one sample per call).
+    assert int(stats["disk_hits"]) == (2 * PER_CHUNK - 1) * CHUNKS
 
 
 def test_store_disk_tier_never_serves_a_file_of_another_generation(

@@ -379,11 +379,19 @@ class MissResolver:
         on_disk: bool = False,
     ) -> bool:
         """Admit ``value`` to the table; if held, spill it and record its
-        index entry (and release the evicted chunks that have no file)."""
+        index entry (and release the evicted chunks that have no file).
+
+        A chunk memory cannot hold (larger than the whole budget, or a full
+        static budget) still gets its file and its entry when there is a disk
+        tier: the next epoch reads it from this node's disk, not the source.
+        Returns whether memory holds it.
+        """
         admitted, evicted = self._table.admit(dataset, chunk, value)
         self._stats.add((dataset, generation), "evictions", len(evicted))
         if not admitted:
             self._stats.add((dataset, generation), "uncached")
+        # A variant is held only in free room (table.py), never on disk alone.
+        if not admitted and (self._spill is None or is_variant_key(chunk)):
             return False
         if self._spill is not None and not on_disk:
             self._spill.soon(dataset, generation, chunk, value)
@@ -411,7 +419,7 @@ class MissResolver:
                 [idx.release(ds, gen[ds], ks, self.me) for ds, ks in released.items()],
             )
         )
-        return True
+        return admitted
 
     def _count_build(self, key: tuple[str, int], report: dict[str, Any]) -> None:
         self._stats.add(key, "remote_reads", report["reads"])
