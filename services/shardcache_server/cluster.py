@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -16,6 +17,12 @@ __all__ = [
     "kill_stores",
     "store_for_node",
 ]
+
+log = logging.getLogger(__name__)
+
+# Settings a process cannot pass to stores that already run: the identity
+# (who they are) and the secrets (never compared, never logged) are not these.
+_NOT_STORE_WIDE = {"redis_url", "namespace", "storage_options"}
 
 STORE_START_TIMEOUT_S = 120.0  # a fresh worker process on a loaded 2-core node
 RESTART_POLL_S = 0.5  # how often to re-ping a store that Ray is restarting
@@ -63,7 +70,46 @@ def ensure_stores_for(redis_url: str, namespace: str) -> dict[str, Any]:
     Raises:
         ShardUnavailable: a store did not come up in time.
     """
-    return ensure_stores(ServiceSettings(redis_url=redis_url, namespace=namespace))
+    settings = ServiceSettings(redis_url=redis_url, namespace=namespace)
+    handles = ensure_stores(settings)
+    _say_if_started_otherwise(settings, handles)
+    return handles
+
+
+def _say_if_started_otherwise(
+    settings: ServiceSettings, handles: dict[str, Any]
+) -> None:
+    """Warn when this process's ``SHARDCACHE_*`` store settings differ from
+    those the running stores started with: a store takes its settings once,
+    so e.g. ``SHARDCACHE_DISK_DIR`` set after the demo started the embedded
+    stores would otherwise be ignored without a word."""
+    import ray
+
+    asked = settings.model_fields_set - _NOT_STORE_WIDE
+    if not asked:
+        return
+    node = ray.get_runtime_context().get_node_id()
+    handle = handles.get(node)
+    if handle is None:
+        return
+    in_use = ray.get(handle.settings_in_use.remote(), timeout=STORE_START_TIMEOUT_S)
+    differ = {
+        k: in_use[k]
+        for k in sorted(asked)
+        if k in in_use and in_use[k] != getattr(settings, k)
+    }
+    if differ:
+        log.warning(
+            "shardcache: the cache store on this node started with %s; this "
+            "process's environment asks for %s, which a running store does not "
+            "take. Run `shardcache local stop` (embedded mode; the next script "
+            "starts the stores with this environment) or set them in the "
+            "stores' own environment (the chart's values) and restart them.",
+            ", ".join(f"{k}={v!r}" for k, v in differ.items()),
+            ", ".join(
+                f"SHARDCACHE_{k.upper()}={getattr(settings, k)!r}" for k in differ
+            ),
+        )
 
 
 def _not_started(exc: BaseException) -> ShardUnavailable:

@@ -7,7 +7,8 @@ torchrun (no ``job=``, no ``close()``), embedded defaults otherwise.
 puts them under the default 2 GiB hold: they may keep no chunk from memory,
 so warm epochs read what memory cannot hold from the node's chunk files.
 Epochs 2 and 3 still read no S3 object, and the dashboard's totals say how
-much came from the disk tier.
+much came from the disk tier. A later script whose environment asks the
+running stores for other settings is told that they keep theirs.
 """
 
 from __future__ import annotations
@@ -70,4 +71,15 @@ def test_quickstart_larger_than_memory_reads_warm_epochs_from_the_disk_tier(
     # The warm epochs' samples came from the chunk files, not the source.
     assert totals.samples_disk > 0
     assert totals.samples_disk + totals.samples_local == 2 * IMAGES
+    assert "started with" not in done.stderr  # the stores took this environment
+
+    # A running store keeps its settings: a later script asking for another
+    # disk tier is told so, and what to run, instead of being ignored.
+    again = user.python(*command[1:], env={**env, "SHARDCACHE_DISK_DIR": "/elsewhere"})
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert s3.total_gets == IMAGES
+    assert f"disk_dir='{tmp_path / 'disk'}'" in again.stderr
+    assert "SHARDCACHE_DISK_DIR='/elsewhere'" in again.stderr
+    assert "shardcache local stop" in again.stderr
+    assert "SHARDCACHE_CACHE_BYTES" not in again.stderr  # only what differs
     s3fs_client.rm(BUCKET, recursive=True)

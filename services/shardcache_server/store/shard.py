@@ -167,6 +167,11 @@ class CacheShard:
         self._ensure_started()
         return self.me
 
+    async def settings_in_use(self) -> dict[str, Any]:
+        """The settings this store started with, without the Redis URL and
+        the storage options (they may hold secrets)."""
+        return self.settings.model_dump(exclude={"redis_url", "storage_options"})
+
     async def close(self) -> None:
         """Flush stats and stop background work (tests, graceful shutdown)."""
         self._upkeep.stop()
