@@ -15,14 +15,17 @@ where the samples came from (``ds.stats()``). Beside it, in the same run:
   ``--old-batches`` batches only, since it is slow;
 * the same warm epoch through ``ds.loader(B)`` (one gather per batch);
 * a plain ``DataLoader(num_workers=2, persistent_workers=True)`` over the
-  same files with ``np.load`` (its second epoch: the files page-cached).
+  same files with ``np.load`` (its second epoch: the files page-cached);
+* with ``--mosaic``, Mosaic Streaming's local dataset over the same samples
+  converted to MDS shards (``mosaic_local.py``, in ``.venv-mosaic``), its
+  second epoch, 2 workers, its default shuffle.
 
 By default the page cache is not limited: the plain loader reads
 page-cached files, the hardest baseline. ``--memory-limit-mib N`` reads
 the warm epochs in a memory cgroup of N MiB, page cache included, with
 the page cache dropped first (``memory_limit.py``; root only): the rank
 (Ray and the stores stay outside, bounded by their own budget), then the
-plain loader with its workers, under the same limit.
+plain loader with its workers, then Mosaic, each under the same limit.
 
     PYTHONPATH=sdk:services:bench .venv/bin/python bench/larger_than_memory.py
 """
@@ -36,6 +39,8 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +48,8 @@ from pathlib import Path
 import numpy as np
 from memory_limit import MemoryLimit
 
+HERE = Path(__file__).resolve().parent
+MOSAIC_PYTHON = HERE.parent / ".venv-mosaic" / "bin" / "python"  # launch.py's
 SHAPE = (3, 128, 128)  # float32: 192 KiB per sample, as in the issue
 
 
@@ -140,6 +147,12 @@ def main() -> None:
         "included: the rank (Ray and the stores stay outside, within their "
         "budget), then the plain loader and its workers (0: no limit)",
     )
+    ap.add_argument(
+        "--mosaic",
+        action="store_true",
+        help="also Mosaic Streaming's local dataset over the same samples "
+        "(needs .venv-mosaic, made by scripts/bench.sh)",
+    )
     args = ap.parse_args()
     print(json.dumps(_run(args), indent=1))
 
@@ -151,7 +164,11 @@ def _limited(args: argparse.Namespace, out: dict[str, object], tmp: Path) -> obj
         return contextlib.nullcontext()
     MemoryLimit.drop_page_cache()
     out.setdefault("resident_after_drop_mib", []).append(
-        {d: MemoryLimit.resident_mib(str(tmp / d)) for d in ("data", "disk")}
+        {
+            d: MemoryLimit.resident_mib(str(tmp / d))
+            for d in ("data", "disk", "mds")
+            if (tmp / d).exists()
+        }
     )
     group = MemoryLimit(args.memory_limit_mib)
     out["memory_limit_mib"] = args.memory_limit_mib
@@ -193,6 +210,7 @@ def _run(args: argparse.Namespace) -> dict[str, object]:
         f"--old-batches {args.old_batches} --torch-threads {args.torch_threads}"
         f" --shuffle-block {args.shuffle_block}"
         + (" --no-disk" if args.no_disk else "")
+        + (" --mosaic" if args.mosaic else "")
         + (
             f" --memory-limit-mib {args.memory_limit_mib}"
             if args.memory_limit_mib
@@ -272,8 +290,37 @@ def _run(args: argparse.Namespace) -> dict[str, object]:
         del plain
         if group is not None:
             out["plain_peak_mib"] = group.peak_mib()
+    if args.mosaic:
+        out["mosaic_2_workers"] = _mosaic(args, out, tmp)
     shutil.rmtree(tmp, ignore_errors=True)  # the data, the disk tier, Redis
     return out
+
+
+def _mosaic(args: argparse.Namespace, out: dict[str, object], tmp: Path) -> object:
+    """Mosaic's read of the same samples: converted outside the limit, read
+    (its process and workers) inside it."""
+    if not MOSAIC_PYTHON.exists():
+        return "not run: no .venv-mosaic (scripts/bench.sh makes it)"
+    script = str(HERE / "mosaic_local.py")
+
+    def run(*argv: str) -> dict[str, object]:
+        done = subprocess.run(
+            [str(MOSAIC_PYTHON), script, *argv],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode:
+            sys.stderr.write(done.stderr[-3000:])
+            raise SystemExit(f"mosaic_local.py {argv[0]} failed")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    converted = run("convert", str(tmp / "data"), str(tmp / "mds"))
+    with _limited(args, out, tmp) as group:
+        figures = run("read", str(tmp / "mds"), str(args.batch))
+        if group is not None:
+            out["mosaic_peak_mib"] = group.peak_mib()
+    return {**figures, **converted}
 
 
 if __name__ == "__main__":
