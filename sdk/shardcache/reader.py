@@ -286,8 +286,9 @@ class ChunkReader:
                     self._origin[c] = Status(status).origin
                     if self._origin[c] == "source" and chunk.sourced is not None:
                         self._sourced[c] = chunk.sourced
+                unheld = status in (Status.UNCACHED, Status.DISK_READ)
                 if (
-                    status != Status.UNCACHED
+                    not unheld
                     and not fallback
                     and self._held_bytes + chunk.nbytes <= self.hold_bytes
                 ):
@@ -297,7 +298,7 @@ class ChunkReader:
                     # Not kept for the generation (the store did not cache it, or
                     # this process's hold budget is spent): kept for the next
                     # few batches only, so the store's policy stays in charge.
-                    self.saw_uncached = self.saw_uncached or status == Status.UNCACHED
+                    self.saw_uncached = self.saw_uncached or unheld
                     # A mapped disk-tier file costs no memory of this process's
                     # own (clean page-cache pages the kernel may reclaim): kept
                     # for the epoch by count only, so hold_bytes=0 reuses it.

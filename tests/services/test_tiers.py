@@ -72,7 +72,7 @@ async def _epochs(shard, items, epochs, first=0):
         for i in sampler.order(e).tolist():
             c = i // PER_CHUNK
             status, value = (await shard.get("ds", 1, [items[c]]))[0]
-            assert status in ("hit", "fetched", "uncached"), status
+            assert status in ("hit", "fetched", "uncached", "disk-read"), status
             got[i] = bytes(Chunk(value).sample(i % PER_CHUNK))
         out.append(got)
     return out

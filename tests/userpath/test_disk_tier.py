@@ -3,11 +3,12 @@ with the disk tier its prose names: ``SHARDCACHE_DISK_DIR`` set before the
 first script, the quick start's ``train.py`` as written under plain
 torchrun (no ``job=``, no ``close()``), embedded defaults otherwise.
 
-``SHARDCACHE_HOLD_BYTES=0`` puts the ranks where an ImageNet-sized shard
-puts them under the default 2 GiB hold: they may keep no chunk from memory,
-so warm epochs read what memory cannot hold from the node's chunk files.
-Epochs 2 and 3 still read no S3 object, and the dashboard's totals say how
-much came from the disk tier. A later script whose environment asks the
+Run with the default hold and with ``SHARDCACHE_HOLD_BYTES=0``, which puts
+the ranks where an ImageNet-sized shard puts them under the default 2 GiB
+hold: they may keep no chunk from memory, so warm epochs read what memory
+cannot hold from the node's chunk files. Either way epochs 2 and 3 read no
+S3 object, and the dashboard's totals say how much came from the disk tier
+(none of it counted as a source read). A later script whose environment asks the
 running stores for other settings is told that they keep theirs.
 """
 
@@ -17,6 +18,7 @@ import io
 import json
 
 import numpy as np
+import pytest
 import redis as redis_py
 from PIL import Image
 from test_readme import BUCKET, fresh_bucket, quickstart
@@ -38,8 +40,9 @@ def _noise_png(i: int) -> bytes:
     return buf.getvalue()
 
 
+@pytest.mark.parametrize("hold", [None, "0"], ids=["default-hold", "hold-0"])
 def test_quickstart_larger_than_memory_reads_warm_epochs_from_the_disk_tier(
-    fresh_user, s3, s3fs_client, tmp_path
+    fresh_user, s3, s3fs_client, tmp_path, hold
 ):
     # A HOME of its own: the stores must start with this budget and disk tier.
     user = fresh_user
@@ -53,7 +56,7 @@ def test_quickstart_larger_than_memory_reads_warm_epochs_from_the_disk_tier(
         "AWS_ENDPOINT_URL": s3.storage_options()["client_kwargs"]["endpoint_url"],
         "SHARDCACHE_DISK_DIR": str(tmp_path / "disk"),
         "SHARDCACHE_CACHE_BYTES": str(BUDGET),
-        "SHARDCACHE_HOLD_BYTES": "0",
+        **({"SHARDCACHE_HOLD_BYTES": hold} if hold is not None else {}),
     }
     s3.reset_counts()
     done = user.python(*command[1:], env=env)

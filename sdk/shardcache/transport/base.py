@@ -35,8 +35,8 @@ class Status(enum.StrEnum):
 
     >>> Status("remote-hit").origin, Status.UNCACHED.origin, Status.HIT == "hit"
     ('peer', 'source', True)
-    >>> Status.DISK.origin
-    'disk'
+    >>> Status.DISK.origin, Status.DISK_READ.origin
+    ('disk', 'disk')
     """
 
     HIT = "hit"  # held by the store that answered
@@ -50,6 +50,11 @@ class Status(enum.StrEnum):
     # read-only, so only the pages of the rows it gathers are read. Only
     # sent to a caller on the store's node that asked for files.
     DISK = "disk"
+    # Read from this node's disk tier for this request into the object store,
+    # not held in memory (a chunk larger than the whole budget, or a caller
+    # that cannot map the file): no source read, kept by the caller only for
+    # the coming batches, as UNCACHED is.
+    DISK_READ = "disk-read"
 
     @property
     def origin(self) -> str:
@@ -57,7 +62,7 @@ class Status(enum.StrEnum):
         ``local``, ``disk``, ``peer`` or ``source`` (``shardcache.usage.ORIGINS``)."""
         if self in (Status.FETCHED, Status.UNCACHED):
             return "source"
-        if self is Status.DISK:
+        if self in (Status.DISK, Status.DISK_READ):
             return "disk"
         return "peer" if self is Status.REMOTE_HIT else "local"
 

@@ -19,7 +19,8 @@ Contract for the rank (``DistributedCachedDataset``), one reporter per process
 Expose it as ``DistributedCachedDataset.usage_reporter`` (a property); the
 end-to-end test (tests/services/test_usage_e2e.py) runs once that exists.
 Store replies map to origins as: a held view or ``"hit"`` is ``local``,
-``"remote-hit"`` is ``peer``, ``"fetched"`` and ``"uncached"`` are ``source``;
+``"remote-hit"`` is ``peer``, ``"fetched"`` and ``"uncached"`` are ``source``,
+``"disk"`` and ``"disk-read"`` are ``disk``;
 count a sample when it is delivered (in ``__getitems__``), not when a
 prefetch resolves it. ``ds.stats()["cluster"]`` is
 ``UsageReader(client, ns).totals(name).as_dict()``.

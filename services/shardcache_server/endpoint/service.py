@@ -202,7 +202,7 @@ class Endpoint:
                     (self.settings.namespace, name, generation, key, version),
                     lambda columns=columns: columns,
                     {"dataset": name, "chunk": key, "version": version},
-                    keep=status != Status.UNCACHED,
+                    keep=status not in (Status.UNCACHED, Status.DISK_READ),
                 )
             )
         return {"statuses": statuses}, files

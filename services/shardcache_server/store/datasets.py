@@ -19,7 +19,8 @@ from shardcache_server.variants import VariantRequest
 __all__ = ["Builder", "Dataset", "Item", "Result"]
 
 Item = tuple[str, str, int]  # (chunk key, chunk version, source bytes)
-# (Status.HIT|FETCHED|REMOTE_HIT|UNCACHED, ref) or (Status.ERROR, class, message)
+# (Status.HIT|FETCHED|REMOTE_HIT|UNCACHED|DISK_READ, ref), (Status.DISK, path)
+# or (Status.ERROR, class, message)
 # or (Status.UNINSTALLED,) when the store lost the dataset's preprocess (restart).
 Result = tuple[Any, ...]
 Builder = Callable[

@@ -148,8 +148,9 @@ class MissResolver:
                 ] == generation and self._admit(
                     ds.name, generation, chunk, value, size, on_disk=True
                 )
+                # Not held (larger than the budget): still no source read.
                 self._settle(
-                    key, (Status.HIT if admitted else Status.UNCACHED, value.ref)
+                    key, (Status.HIT if admitted else Status.DISK_READ, value.ref)
                 )
                 return
         base = self._table.get(ds.name, chunk)
@@ -282,8 +283,8 @@ class MissResolver:
             await asyncio.gather(*(self.load(ds, generation, it) for it in items))
             return
         for (url, etag, _), res in zip(items, results, strict=False):
-            if res[0] == Status.HIT:  # held by the owner: a peer hit here
-                res = (Status.REMOTE_HIT, res[1])
+            if res[0] in (Status.HIT, Status.DISK_READ):
+                res = (Status.REMOTE_HIT, res[1])  # the owner's, not the source's
             self._settle((ds.name, generation, url, etag), res)
 
     async def _ask_owner(

@@ -362,7 +362,7 @@ class CacheShard:
                 if not forwarded and res[0] != Status.ERROR:
                     # A variant built from (or answered by) a held base read
                     # nothing from the source: a hit, as a peer's chunk is.
-                    is_hit = res[0] == Status.REMOTE_HIT or (
+                    is_hit = res[0] in (Status.REMOTE_HIT, Status.DISK_READ) or (
                         res[0] == Status.HIT and i in variants
                     )
                     self._stats.add(counts, "hits" if is_hit else "misses")
@@ -386,13 +386,15 @@ class CacheShard:
         assert self._spill is not None
         if generation != self._table.generation[ds.name]:
             return missed
-        asked = held + missed
-        found = await self._spill.files(ds, generation, [items[i] for i in asked])
+        asked = missed + held
+        found = await self._spill.files(
+            ds, generation, [items[i] for i in asked], settle=len(missed)
+        )
         policy, retired = self._table.policy, self._table.retired
         counts = (ds.name, generation)
         rest = []
         for j, (i, file) in enumerate(zip(asked, found, strict=True)):
-            is_held = j < len(held)
+            is_held = j >= len(missed)
             if file is None:
                 if not is_held:
                     rest.append(i)

@@ -87,13 +87,30 @@ class Spill:
         return (dataset, chunk) in self._writes or self.disk.has(dataset, chunk)
 
     async def files(
-        self, ds: Dataset, generation: int, items: list[Item]
+        self,
+        ds: Dataset,
+        generation: int,
+        items: list[Item],
+        *,
+        settle: int = 0,
     ) -> list[tuple[str, int] | None]:
         """``(path, column bytes)`` per item whose file is written and matches
         the version, generation and preprocess asked for, else ``None`` (no
         file, one still being written, or one that does not match, which is
         deleted). Headers only: no column page is read here, and no checksum
-        (a rank's ``verify_reads`` samples check what it maps)."""
+        (a rank's ``verify_reads`` samples check what it maps).
+
+        The writes in flight of the first ``settle`` items are waited for:
+        chunks not in memory, which the miss path would otherwise wait for
+        and then reload whole from the same file.
+        """
+        writing = [
+            task
+            for chunk, _, _ in items[:settle]
+            if (task := self._writes.get((ds.name, chunk))) is not None
+        ]
+        if writing:
+            await asyncio.wait(writing)
         wanted = [
             (i, chunk, version)
             for i, (chunk, version, _) in enumerate(items)

@@ -46,7 +46,13 @@ log = logging.getLogger(__name__)
 
 BACKGROUND_BUILDS = 1  # background variant builds at once: the other workers stay free
 IDLE_POLL_S = 0.05  # how often a queued background build looks for idle workers
-SERVED = (Status.HIT, Status.FETCHED, Status.REMOTE_HIT, Status.UNCACHED)
+SERVED = (
+    Status.HIT,
+    Status.FETCHED,
+    Status.REMOTE_HIT,
+    Status.UNCACHED,
+    Status.DISK_READ,
+)
 Key = tuple[str, int, str, str]  # (dataset, generation, variant key, version)
 Job = tuple[Dataset, int, Item]
 
@@ -124,7 +130,7 @@ class VariantBuilds:
             or variant is None
             or variant >= spec.k
             or spec.fingerprint != version_fingerprint(version)
-            or base[0] == Status.UNCACHED
+            or base[0] in (Status.UNCACHED, Status.DISK_READ)
             or not (
                 (ds.name, generation, key, version) in self._inflight
                 or self._fits(ds.name, key, nbytes)
