@@ -11,13 +11,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from shardcache import keys
 from shardcache.index import HitStats, RedisIndex
 from shardcache.usage import HEARTBEAT_S, RankUsage, UsageReader
 
 __all__ = ["dataset_overview", "node_rows", "rank_rows", "store_traffic"]
 
 GENERATIONS_SHOWN = 5  # the cost of the last few version bumps
-EXACT_BYTES_MAX_ENTRIES = 50_000  # above this, cached bytes are estimated per poll
+EXACT_BYTES_MAX_ENTRIES = (
+    50_000  # chunks; above, cached objects and bytes are estimated
+)
 STRAGGLER_FACTOR = 2.0  # a rank is a straggler past twice the median
 STRAGGLER_MIN_EXTRA_S = 1.0  # ...and at least this much more blocked time
 # A rank silent this long without a final report has stopped (SIGKILL, OOM):
@@ -47,14 +50,21 @@ def dataset_overview(
     record = index.dataset(name)
     if record is None:
         return None
-    cached = index.entry_count(name, record.generation)
-    # Summing sizes reads every entry: fine for small datasets, too much on
-    # every 5 s poll at millions of objects, where the mean size stands in.
-    if cached <= EXACT_BYTES_MAX_ENTRIES:
-        entries = index.entries(name, record.generation)
-        cached_bytes = sum(int(e.get("size", 0)) for e in entries.values())
+    # One index entry per cached chunk; each names its objects ("samples").
+    # Summing reads every entry: fine up to many millions of objects (a chunk
+    # holds thousands), too much on every 5 s poll past that, where the mean
+    # chunk of the published listing stands in.
+    chunks = index.entry_count(name, record.generation)
+    if chunks <= EXACT_BYTES_MAX_ENTRIES:
+        entries = index.entries(name, record.generation).values()
+        cached = sum(int(e.get("samples", 1)) for e in entries)
+        cached_bytes = sum(int(e.get("size", 0)) for e in entries)
         bytes_estimated = False
     else:
+        with index.errors():
+            listed = index.client.hget(keys.manifest_key(index.ns, name), "chunks")
+        per_chunk = record.objects / max(int(listed or record.objects), 1)
+        cached = min(record.objects, round(chunks * per_chunk))
         cached_bytes = int(cached * record.total_bytes / max(record.objects, 1))
         bytes_estimated = True
     generations = [

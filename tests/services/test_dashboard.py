@@ -96,6 +96,43 @@ def test_dashboard_overview_shows_store_counters_as_store_traffic(filled, redis_
     )
 
 
+def test_dashboard_counts_cached_objects_not_chunks(
+    s3, s3fs_client, bucket, redis_url, monkeypatch
+):
+    import shardcache_server.overview as overview
+
+    # 8 objects in 2 chunks of 4, both cached: "8 / 8", as the ranks read them.
+    s3fs_client.pipe({f"{bucket}/c/{i}.bin": bytes([i]) * 64 for i in range(8)})
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    index, spec, items = register_dataset(
+        s3, f"s3://{bucket}/c/", redis_url, ns, name="chunked", chunk_samples=4
+    )
+    assert len(items) == 2
+    cfg = ServiceSettings(redis_url=redis_url, namespace=ns, stats_flush_s=0.05)
+
+    async def run():
+        shard = CacheShard(
+            cfg, "node-a", put=lambda v: v, get=lambda v: v, peer=lambda n: None,
+            build=local_build(cfg),
+        )  # fmt: skip
+        await shard.install(spec, raw_bytes)
+        await shard.get("chunked", spec["generation"], items[:1])
+        await asyncio.sleep(0.3)
+        await shard.close()
+
+    asyncio.run(run())
+    (ds,) = (
+        TestClient(create_app(redis_url, ns)).get("/api/overview").json()["datasets"]
+    )
+    assert (ds["objects_cached"], ds["objects_total"]) == (4, 8)
+    assert ds["bytes_cached"] == 4 * 64
+    monkeypatch.setattr(overview, "EXACT_BYTES_MAX_ENTRIES", 0)  # the estimate
+    (ds,) = (
+        TestClient(create_app(redis_url, ns)).get("/api/overview").json()["datasets"]
+    )
+    assert (ds["objects_cached"], ds["bytes_cached"]) == (4, 4 * 64)
+
+
 def test_dashboard_estimates_cached_bytes_past_the_exact_limit(
     filled, redis_url, monkeypatch
 ):
