@@ -48,6 +48,7 @@ def test_cli_warm_stats_ls_invalidate_roundtrip(
     assert stats.exit_code == 0 and "warmed" in stats.output
     ls = runner.invoke(app, ["ls", *common])
     assert ls.exit_code == 0 and re.search(r"warmed\s+│\s+1\s+│\s+20", ls.output)
+    assert re.search(r"memory\s.*disk", ls.output.split("\n")[1])
     inv = runner.invoke(app, ["invalidate", "warmed", *common])
     assert inv.exit_code == 0 and "now generation 2" in inv.output
     missing = runner.invoke(app, ["invalidate", "nope", *common])
@@ -152,3 +153,15 @@ def test_demo_over_webdataset_tar_shards_reads_each_unit_once_then_never(tmp_pat
     # construction, which keeps the unit for its build); the warm epoch
     # reads nothing.
     assert "S3 GETs 1" in out and "S3 GETs 0" in out
+
+
+def test_ls_names_memory_and_disk_per_node():
+    from shardcache_server.cli.datasets import _per_node
+
+    stores = {
+        "aaaaaaaa11": {"bytes_by_dataset": {"d": 2**20}},
+        "bbbbbbbb22": {"disk_bytes_by_dataset": {"d": 3 * 2**20}},
+    }
+    assert _per_node(stores, "bytes_by_dataset", "d") == "aaaaaaaa: 1.0"
+    assert _per_node(stores, "disk_bytes_by_dataset", "d") == "bbbbbbbb: 3.0"
+    assert _per_node(stores, "disk_bytes_by_dataset", "other") == "-"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 from rich import box
 from rich.table import Column, Table
@@ -161,33 +163,40 @@ def invalidate(
 
 
 def list_datasets(redis_url: str = RedisOpt, namespace: str = NamespaceOpt) -> None:
-    """Datasets, generations and cached bytes per node (exit 1 when nothing runs)."""
+    """Datasets, generations and cached bytes per node, in memory and on the
+    disk tier (exit 1 when nothing runs)."""
     with friendly_errors():
         index = running_index(redis_url, namespace)
+        names = index.datasets()
         table = Table(
-            "dataset", "generation", "objects", "source MiB", "cached MiB per node"
+            # Never cut: the name is what `stats` and `invalidate` take.
+            Column("dataset", no_wrap=True, min_width=max(map(len, names), default=7)),
+            "generation",
+            "objects",
+            "source MiB",
+            "memory MiB, per node",
+            "disk MiB, per node",
         )
         stores = index.stores()
-        for ds in index.datasets():
+        for ds in names:
             record = index.dataset(ds)
             if record is None:
                 continue
-            per_node = {
-                n[:8]: info.get("bytes_by_dataset", {}).get(ds, 0)
-                for n, info in stores.items()
-            }
-            cached = (
-                ", ".join(f"{n}: {b / 2**20:.1f}" for n, b in per_node.items() if b)
-                or "-"
-            )
             table.add_row(
                 ds,
                 str(record.generation),
                 str(record.objects),
                 f"{record.total_bytes / 2**20:.1f}",
-                cached,
+                _per_node(stores, "bytes_by_dataset", ds),
+                _per_node(stores, "disk_bytes_by_dataset", ds),
             )
     console.print(table)
+
+
+def _per_node(stores: dict[str, dict[str, Any]], field: str, ds: str) -> str:
+    """``node: MiB`` of ``ds`` for every store that reports some, else ``-``."""
+    per_node = {n[:8]: info.get(field, {}).get(ds, 0) for n, info in stores.items()}
+    return ", ".join(f"{n}: {b / 2**20:.1f}" for n, b in per_node.items() if b) or "-"
 
 
 def verify(

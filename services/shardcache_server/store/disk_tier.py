@@ -194,12 +194,16 @@ class DiskTier:
             self.remove(*k)
         return len(keys)
 
-    def summary(self) -> dict[str, int]:
+    def summary(self) -> dict[str, Any]:
         with self._lock:
+            by_dataset: dict[str, int] = {}
+            for (dataset, _), size in self._files.items():
+                by_dataset[dataset] = by_dataset.get(dataset, 0) + size
             return {
                 "disk_bytes": self.used_bytes,
                 "disk_budget_bytes": self.budget_bytes,
                 "disk_chunks": len(self._files),
+                "disk_bytes_by_dataset": by_dataset,
             }
 
     def _forget(self, key: Key) -> None:
