@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -86,7 +87,8 @@ def _say_if_started_otherwise(
     import ray
 
     asked = settings.model_fields_set - _NOT_STORE_WIDE
-    if not asked:
+    # Said once per node, not by every rank of it.
+    if not asked or os.environ.get("LOCAL_RANK", "0") != "0":
         return
     node = ray.get_runtime_context().get_node_id()
     handle = handles.get(node)

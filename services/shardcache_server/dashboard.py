@@ -43,16 +43,17 @@ def _point(t: int, u: UsageTotals) -> dict[str, Any]:
         "samples": u.samples,
         "hit_rate": u.hit_rate,
         "byte_hit_rate": u.byte_hit_rate,
-        **{
-            f"samples_{o}": getattr(u, f"samples_{o}")
-            for o in ORIGINS
-        },
+        **{f"samples_{o}": getattr(u, f"samples_{o}") for o in ORIGINS},
         "blocked_s": u.blocked_s,
     }
 
 
 def create_app(
-    redis_url: str, namespace: str = keys.DEFAULT_NAMESPACE, token: str | None = None
+    redis_url: str,
+    namespace: str = keys.DEFAULT_NAMESPACE,
+    token: str | None = None,
+    *,
+    follow: Callable[[], str | None] | None = None,
 ) -> Starlette:
     """Build the ASGI app. Nothing connects until the first request.
 
@@ -61,19 +62,31 @@ def create_app(
         namespace: the deployment to show.
         token: when set, every route but ``/healthz`` needs ``Authorization: Bearer <token>``
             (or ``?token=`` for the page itself).
+        follow: where the index is now, asked when it cannot be reached: the
+            embedded Redis comes back on another port after ``shardcache
+            local stop`` and the next script, and the page follows it.
     """
     keys.validate_name("namespace", namespace)
-    state: dict[str, Any] = {}
+    state: dict[str, Any] = {"url": redis_url}
 
     def index() -> RedisIndex:
         if "index" not in state:
-            state["index"] = RedisIndex.from_url(redis_url, namespace)
+            state["index"] = RedisIndex.from_url(state["url"], namespace)
         return state["index"]
 
     def usage() -> UsageReader:
         if "usage" not in state:
-            state["usage"] = UsageReader(index().client, namespace, redis_url)
+            state["usage"] = UsageReader(index().client, namespace, state["url"])
         return state["usage"]
+
+    def moved() -> bool:
+        """Whether the index moved (``follow``); if so, connect there next."""
+        url = follow() if follow is not None else None
+        if url is None or url == state["url"]:
+            return False
+        state.clear()
+        state["url"] = url
+        return True
 
     def authorised(request: Request) -> bool:
         if not token:
@@ -91,7 +104,12 @@ def create_app(
                     headers={"WWW-Authenticate": "Bearer"},
                 )
             try:
-                return handler(request)
+                try:
+                    return handler(request)
+                except IndexUnavailable:
+                    if not moved():
+                        raise
+                    return handler(request)
             except IndexUnavailable as exc:
                 return JSONResponse({"error": str(exc)}, status_code=503)
             except ConfigError as exc:  # a bad ?job= or name in the request
@@ -177,10 +195,18 @@ def create_app(
             generate_latest(registry), media_type="text/plain; version=0.0.4"
         )
 
+    def ping() -> None:
+        with index().errors():
+            index().client.ping()
+
     async def healthz(request: Request) -> Response:
         try:
-            with index().errors():
-                index().client.ping()
+            try:
+                ping()
+            except IndexUnavailable:
+                if not moved():
+                    raise
+                ping()
         except IndexUnavailable:
             return PlainTextResponse("redis unreachable", status_code=503)
         return PlainTextResponse("ok")
@@ -208,7 +234,8 @@ def serve(
     token: str | None,
     allow_no_token: bool = False,
 ) -> None:
-    """Run the dashboard with uvicorn (blocking).
+    """Run the dashboard with uvicorn (blocking). Without ``redis_url`` it
+    shows the embedded cache, wherever its Redis runs now.
 
     Raises:
         ConfigError: binding beyond loopback without a token.
@@ -226,5 +253,8 @@ def serve(
             f"refusing to serve the dashboard on {host} without a token; "
             "set SHARDCACHE_DASHBOARD_TOKEN or bind to 127.0.0.1."
         )
-    app = create_app(redis_url or local_redis_url(), namespace, token)
+    from shardcache.embedded import running_redis_url
+
+    follow = None if redis_url else running_redis_url
+    app = create_app(redis_url or local_redis_url(), namespace, token, follow=follow)
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -192,6 +192,19 @@ def test_dashboard_redis_down_is_503_not_traceback():
     assert client.get("/healthz").status_code == 503
 
 
+def test_dashboard_follows_the_embedded_redis_to_its_new_port(filled, redis_url):
+    # `shardcache local stop`, then the next script: the embedded Redis runs
+    # on another port, and a dashboard started before shows it, not a 503.
+    ns, _ = filled
+    now = {"url": "redis://:pw@127.0.0.1:1/0"}  # the old one, gone
+    client = TestClient(create_app(now["url"], ns, follow=lambda: now["url"]))
+    assert client.get("/api/overview").status_code == 503  # nowhere else yet
+    now["url"] = redis_url
+    (ds,) = client.get("/api/overview").json()["datasets"]
+    assert ds["name"] == "images"
+    assert client.get("/healthz").text == "ok"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -83,6 +83,6 @@ def test_quickstart_larger_than_memory_reads_warm_epochs_from_the_disk_tier(
     assert s3.total_gets == IMAGES
     assert f"disk_dir='{tmp_path / 'disk'}'" in again.stderr
     assert "SHARDCACHE_DISK_DIR='/elsewhere'" in again.stderr
-    assert "shardcache local stop" in again.stderr
+    assert again.stderr.count("shardcache local stop") == 1  # once per node
     assert "SHARDCACHE_CACHE_BYTES" not in again.stderr  # only what differs
     s3fs_client.rm(BUCKET, recursive=True)

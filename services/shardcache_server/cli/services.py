@@ -65,7 +65,8 @@ def dashboard(
     with friendly_errors():
         index = running_index(redis_url, namespace)
         serve(
-            redis_url=index.url,
+            # None: the embedded cache's, followed across its restarts.
+            redis_url=redis_url and index.url,
             namespace=namespace,
             host=host,
             port=port,
