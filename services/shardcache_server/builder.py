@@ -53,9 +53,9 @@ class BuildRequest:
     The members are rows ``lo`` to ``hi`` of the published manifest, read in
     the worker from the object store; no per-object list is built in the
     store or sent with the task (the caller would keep it for the task's
-    lineage: ~650 KB per 4,096-object chunk, measured). With ``base`` (an
-    earlier build of the same chunk), only the ``changed`` rows are read and
-    every other row is copied from it.
+    lineage: ~650 KB per 4,096-object chunk, measured). With ``bases``
+    (chunks built earlier) and ``reuse`` (rows ``(row, base, base row)``:
+    the same URL and ETag), those rows are copied and only the others read.
     """
 
     dataset: str
@@ -66,8 +66,10 @@ class BuildRequest:
     hi: int
     preprocess: Callable[[bytes], Any]
     target: Callable[[str], Any] | None = None
-    base: Any = None  # the earlier chunk's columns (or its ObjectRef, under Ray)
-    changed: list[int] = field(default_factory=list)
+    # Earlier chunks' columns (or their ObjectRefs, under Ray), and the rows
+    # copied from them: an (n, 3) int64 array of (row, base, base row).
+    bases: list[Any] = field(default_factory=list)
+    reuse: Any = None
     source: Any = None  # a user's map-style Dataset (packed format "dataset")
     # The unit's bytes the listing kept (tar; spans.py), or their ObjectRef.
     span: Any = None
@@ -201,9 +203,8 @@ def build_members(
             req.span,
         )
     members = manifest.members(req.lo, req.hi)
-    reuse = (
-        set(range(len(members))) - set(req.changed) if req.base is not None else set()
-    )
+    copies = req.reuse if req.bases and req.reuse is not None else np.zeros((0, 3))
+    reuse = {int(r) for r in copies[:, 0]}
     fetch_rows = [r for r in range(len(members)) if r not in reuse]
     to_read = [members[r] for r in fetch_rows]
     if req.protocol in LOCAL_PROTOCOLS:
@@ -216,10 +217,9 @@ def build_members(
     targets: list[Any] = [None] * len(members)
     errors: dict[int, tuple[str, str]] = {}
     bytes_read = 0
-    base = Chunk(req.base) if reuse else None
-    for row in reuse:
-        assert base is not None
-        samples[row] = _copy(base.sample(row))
+    bases = [Chunk(b) for b in req.bases] if reuse else []
+    for row, b, base_row in copies.tolist():
+        samples[row] = _copy(bases[b].sample(base_row))
     # The default .npy decode copies its array out of the bytes; build_chunk
     # copies every sample into its column anyway, so a view is decoded here.
     preprocess = npy_view if req.preprocess is decode_npy else req.preprocess
@@ -283,8 +283,9 @@ def run_build(
             req.base = ray.get(req.base)  # a nested ObjectRef: mapped zero-copy
         return build_variant(req)
     # Nested ObjectRefs are not resolved by Ray: map them here (zero-copy).
-    if req.base is not None and not isinstance(req.base, dict):
-        req.base = ray.get(req.base)
+    refs = [j for j, b in enumerate(req.bases) if not isinstance(b, dict)]
+    for j, columns in zip(refs, ray.get([req.bases[j] for j in refs]), strict=True):
+        req.bases[j] = columns
     if not isinstance(req.manifest, dict):
         req.manifest = ray.get(req.manifest)
     if req.span is not None and not isinstance(req.span, np.ndarray):

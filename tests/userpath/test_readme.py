@@ -87,4 +87,13 @@ def test_readme_quickstart_runs_as_written_and_reads_each_object_once(
     assert len(jobs) == 2  # two runs, two jobs on the dashboard
     assert sorted(t.samples for t in jobs.values()) == [3 * IMAGES, 3 * IMAGES]
     assert sorted(t.samples_source for t in jobs.values()) == [2, IMAGES]
+
+    # A third run after one image was added in the middle and one removed:
+    # it reads the new one only, though every row after it moved.
+    s3fs_client.pipe(f"{BUCKET}/train/007b.png", _png(250))
+    s3fs_client.rm(f"{BUCKET}/train/030.png")
+    s3.reset_counts()
+    third = user.python(*command[1:], env=env)
+    assert third.returncode == 0, third.stderr[-4000:]
+    assert s3.total_gets == 1
     s3fs_client.rm(BUCKET, recursive=True)

@@ -16,8 +16,10 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from shardcache.errors import BackendError, ConfigError, ShardCacheError
-from shardcache.keys import is_variant_key, parse_chunk_key
+from shardcache.keys import chunk_key, is_variant_key, parse_chunk_key
 from shardcache.transport.base import Status
 from shardcache_server.builder import BuildRequest
 from shardcache_server.settings import ServiceSettings
@@ -31,6 +33,10 @@ from shardcache_server.store.table import Cached, HeldTable
 __all__ = ["MissResolver"]
 
 log = logging.getLogger(__name__)
+
+# Neighbours searched for a chunk's rows held already: an object added or
+# removed before a chunk moves its rows into the next or previous chunk.
+NEAR = (-1, 1, -2, 2)
 
 Key = tuple[str, int, str, str]  # (dataset, generation, chunk, version)
 
@@ -346,13 +352,7 @@ class MissResolver:
                 "the rank and the store read different listings. Call refresh()."
             )
         lo, hi = layout.bounds(index)
-        # Rebuild from ``base`` when it has this chunk's rows and some are unchanged.
-        changed: list[int] = []
-        base_ref = None
-        if base is not None and len(base.hashes) == hi - lo:
-            changed = ds.manifest.changed_rows(lo, hi, base.hashes).tolist()
-            if len(changed) < hi - lo:
-                base_ref = base.ref
+        bases, reuse = self._held_rows(ds, index, lo, hi, base)
         req = BuildRequest(
             ds.name,
             ds.protocol,
@@ -362,12 +362,47 @@ class MissResolver:
             hi,
             ds.preprocess,
             ds.target,
-            base_ref,
-            changed,
-            ds.source,
-            await self._manifests.kept_for_build(ds, version),
+            bases=bases,
+            reuse=reuse,
+            source=ds.source,
+            span=await self._manifests.kept_for_build(ds, version),
         )
         return await self._build(req)
+
+    def _held_rows(
+        self, ds: Dataset, index: int, lo: int, hi: int, base: Cached | None
+    ) -> tuple[list[Any], np.ndarray | None]:
+        """The rows of chunk ``[lo, hi)`` that held chunks already have (the
+        same URL and ETag): ``(their references, (row, base, base row) per
+        row)``. Searched in this chunk's earlier build (``base``: objects
+        rewritten in place) and its neighbours, since an object added or
+        removed before a chunk moves its rows by one or a few positions into
+        the next or previous chunk; only what is in none of them is read.
+        """
+        want = ds.manifest.row_hashes(lo, hi)
+        found = np.full((hi - lo, 2), -1, np.int64)  # (base, base row) per row
+        bases: list[Any] = []
+        near = [
+            self._table.get(ds.name, chunk_key(index + d))
+            for d in NEAR
+            if index + d >= 0
+        ]
+        for held in [base, *near]:
+            todo = found[:, 0] < 0
+            if held is None or not len(held.hashes) or not todo.any():
+                continue
+            order = np.argsort(held.hashes, kind="stable")
+            ranked = held.hashes[order]
+            at = np.minimum(np.searchsorted(ranked, want), len(ranked) - 1)
+            hit = todo & (ranked[at] == want)
+            if hit.any():
+                found[hit, 0] = len(bases)
+                found[hit, 1] = order[at[hit]]
+                bases.append(held.ref)
+        rows = np.flatnonzero(found[:, 0] >= 0)
+        if not len(rows):
+            return [], None
+        return bases, np.column_stack([rows, found[rows]])
 
     def _admit(
         self,
