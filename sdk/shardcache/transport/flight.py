@@ -140,8 +140,13 @@ class FlightClient(ProxyClient):
         for status, data in zip(
             table.column("status").to_pylist(), _buffers(table), strict=True
         ):
-            # A hit on another node's store is a peer hit for this rank.
-            status = Status.REMOTE_HIT if status == Status.HIT else Status(status)
+            # A hit on another node's store (in its memory or read from its
+            # disk tier) is a peer hit for this rank.
+            status = (
+                Status.REMOTE_HIT
+                if status in (Status.HIT, Status.DISK_READ)
+                else Status(status)
+            )
             out.append((status, _columns(data)))
         return out
 
