@@ -34,9 +34,10 @@ __all__ = ["MissResolver"]
 
 log = logging.getLogger(__name__)
 
-# Neighbours searched for a chunk's rows held already: an object added or
-# removed before a chunk moves its rows into the next or previous chunk.
-NEAR = (-1, 1, -2, 2)
+# Chunks searched for a chunk's rows held already: its earlier build, then
+# its neighbours (an object added or removed before a chunk moves its rows
+# into the next or previous chunk).
+NEAR = (0, -1, 1, -2, 2)
 
 Key = tuple[str, int, str, str]  # (dataset, generation, chunk, version)
 
@@ -159,9 +160,8 @@ class MissResolver:
                     key, (Status.HIT if admitted else Status.DISK_READ, value.ref)
                 )
                 return
-        base = self._table.get(ds.name, chunk)
         try:
-            ref, report = await self._build_chunk(ds, chunk, version, base)
+            ref, report = await self._build_chunk(ds, generation, chunk, version)
         except ShardCacheError as exc:  # the whole chunk failed (e.g. mixed dtypes)
             self._stats.add((ds.name, generation), "errors")
             await self._records.release(ds.name, generation, [chunk])
@@ -222,7 +222,7 @@ class MissResolver:
             if ref is not None:
                 self._stats.add(key, "hits")
                 return (Status.HIT, ref)
-            ref, report = await self._build_chunk(ds, chunk, version, None)
+            ref, report = await self._build_chunk(ds, generation, chunk, version)
             self._count_build(key, report)
             self._stats.add(key, "misses")
             room = policy.budget_bytes - policy.used_bytes - retired.nbytes
@@ -336,10 +336,11 @@ class MissResolver:
         return results
 
     async def _build_chunk(
-        self, ds: Dataset, chunk: str, version: str, base: Cached | None
+        self, ds: Dataset, generation: int, chunk: str, version: str
     ) -> tuple[Any, dict[str, Any]]:
-        """Build one chunk, re-reading only the members that changed since
-        ``base``; a packed unit whose bytes the listing kept is not read.
+        """Build one chunk of ``generation``, reading only the members no
+        chunk held for it has; a packed unit whose bytes the listing kept is
+        not read.
 
         Raises:
             ConfigError: the chunk is not in the dataset's listing.
@@ -352,7 +353,7 @@ class MissResolver:
                 "the rank and the store read different listings. Call refresh()."
             )
         lo, hi = layout.bounds(index)
-        bases, reuse = self._held_rows(ds, index, lo, hi, base)
+        bases, reuse = self._held_rows(ds, generation, index, lo, hi)
         req = BuildRequest(
             ds.name,
             ds.protocol,
@@ -370,14 +371,16 @@ class MissResolver:
         return await self._build(req)
 
     def _held_rows(
-        self, ds: Dataset, index: int, lo: int, hi: int, base: Cached | None
+        self, ds: Dataset, generation: int, index: int, lo: int, hi: int
     ) -> tuple[list[Any], np.ndarray | None]:
-        """The rows of chunk ``[lo, hi)`` that held chunks already have (the
-        same URL and ETag): ``(their references, (row, base, base row) per
-        row)``. Searched in this chunk's earlier build (``base``: objects
-        rewritten in place) and its neighbours, since an object added or
-        removed before a chunk moves its rows by one or a few positions into
-        the next or previous chunk; only what is in none of them is read.
+        """The rows of chunk ``[lo, hi)`` that held chunks of ``generation``
+        already have (the same URL and ETag): ``(their references, (row,
+        base, base row) per row)``. Searched in this chunk's earlier build
+        (objects rewritten in place) and its neighbours, since an object
+        added or removed before a chunk moves its rows by one or a few
+        positions into the next or previous chunk; only what is in none of
+        them is read. Only the same generation: a retired generation's build
+        (another preprocess) copies nothing from the current one's chunks.
         """
         want = ds.manifest.row_hashes(lo, hi)
         found = np.full((hi - lo, 2), -1, np.int64)  # (base, base row) per row
@@ -387,9 +390,14 @@ class MissResolver:
             for d in NEAR
             if index + d >= 0
         ]
-        for held in [base, *near]:
+        for held in near:
             todo = found[:, 0] < 0
-            if held is None or not len(held.hashes) or not todo.any():
+            if (
+                held is None
+                or held.generation != generation
+                or not len(held.hashes)
+                or not todo.any()
+            ):
                 continue
             order = np.argsort(held.hashes, kind="stable")
             ranked = held.hashes[order]
