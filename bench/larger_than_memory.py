@@ -76,14 +76,15 @@ class _Files:
         return np.load(self.paths[i])
 
 
-def _timed(batches, limit: int | None = None) -> dict[str, float]:
-    """Samples/s and the waits for each batch of one pass over ``batches``."""
+def _timed(batches, limit: int | None = None, count=len) -> dict[str, float]:  # noqa: ANN001
+    """Samples/s and the waits for each batch of one pass over ``batches``
+    (``count``: the samples in one batch)."""
     waits, n = [], 0
     start = last = time.perf_counter()
     for b, batch in enumerate(batches):
         now = time.perf_counter()
         waits.append(now - last)
-        n += len(batch)
+        n += count(batch)
         last = time.perf_counter()
         if limit is not None and b + 1 >= limit:
             break
