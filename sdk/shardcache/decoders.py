@@ -33,7 +33,7 @@ def decode_npy(data: bytes) -> np.ndarray:
     The array is copied straight out of ``data`` (one memcpy). ``np.load``
     over a BytesIO costs ~130 us for a 150 KB image, mostly parsing the
     header with ``ast``; a dataset's files share a handful of headers, so
-    each distinct one is parsed once per process (``_npy_layout``).
+    each distinct one is parsed once per process (``npy_layout``).
 
     >>> buf = io.BytesIO(); np.save(buf, np.arange(6, dtype=np.float32).reshape(3, 2))
     >>> decode_npy(buf.getvalue()).tolist()
@@ -56,7 +56,7 @@ def npy_view(data: bytes) -> np.ndarray:
     # Version 1.0 stores the header length in 2 bytes, 2.0 and 3.0 in 4.
     width = 2 if view[6] == 1 else 4
     end = 8 + width + int.from_bytes(view[8 : 8 + width], "little")
-    layout = _npy_layout(bytes(view[:end]))
+    layout = npy_layout(bytes(view[:end]))
     if layout is None:  # object arrays: np.load refuses them without pickle
         return np.load(io.BytesIO(data), allow_pickle=False)
     shape, order, dtype = layout
@@ -66,7 +66,7 @@ def npy_view(data: bytes) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=256)
-def _npy_layout(header: bytes) -> tuple[tuple[int, ...], str, np.dtype] | None:
+def npy_layout(header: bytes) -> tuple[tuple[int, ...], str, np.dtype] | None:
     """``(shape, order, dtype)`` of a .npy header (magic included), or ``None``
     for what ``np.load`` itself should read: a dtype that holds Python
     objects, or format 3.0 (UTF-8 field names)."""

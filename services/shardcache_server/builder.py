@@ -30,8 +30,9 @@ from shardcache.errors import (
 )
 from shardcache.manifest import Manifest
 from shardcache.packed_manifest import PackedManifest
-from shardcache_server.columns import build_chunk
+from shardcache_server.columns import build_chunk, column_chunk
 from shardcache_server.fetch import Fetcher
+from shardcache_server.npy_rows import read_npy_column
 from shardcache_server.packed_build import build_unit
 from shardcache_server.preprocess import run_preprocess
 from shardcache_server.settings import ServiceSettings
@@ -203,6 +204,11 @@ def build_members(
             req.span,
         )
     members = manifest.members(req.lo, req.hi)
+    if req.protocol in LOCAL_PROTOCOLS and req.preprocess is decode_npy and not req.bases:
+        column = read_npy_column(members)
+        if column is not None:  # else a member is unusual: the general path below
+            built = column_chunk(column, [m[0] for m in members], _targets(req, members))
+            return _sealed(built, len(members), sum(m[2] for m in members), {}, started)
     copies = req.reuse if req.bases and req.reuse is not None else np.zeros((0, 3))
     reuse = {int(r) for r in copies[:, 0]}
     fetch_rows = [r for r in range(len(members)) if r not in reuse]
@@ -214,7 +220,6 @@ def build_members(
         coro = _fetch_all(fetcher, to_read)
         fetched = asyncio.run_coroutine_threadsafe(coro, _loop()).result()
     samples: list[Any] = [None] * len(members)
-    targets: list[Any] = [None] * len(members)
     errors: dict[int, tuple[str, str]] = {}
     bytes_read = 0
     bases = [Chunk(b) for b in req.bases] if reuse else []
@@ -234,20 +239,30 @@ def build_members(
             samples[row] = run_preprocess(preprocess, data, url)
         except ShardCacheError as exc:
             errors[row] = (type(exc).__name__, str(exc))
-    if req.target is not None:
-        for row, (url, _, _) in enumerate(members):
-            targets[row] = req.target(url)
     built = build_chunk(
-        samples,
-        errors,
-        names=[m[0] for m in members],
-        targets=targets if req.target is not None else None,
+        samples, errors, names=[m[0] for m in members], targets=_targets(req, members)
     )
     if reuse:
         built[SOURCED] = np.array([r not in reuse for r in range(len(members))])
+    reads = len(fetch_rows) - sum(isinstance(d, ShardCacheError) for d in fetched)
+    return _sealed(built, reads, bytes_read, errors, started)
+
+
+def _targets(req: BuildRequest, members: list[tuple[str, str, int]]) -> list[Any] | None:
+    return None if req.target is None else [req.target(url) for url, _, _ in members]
+
+
+def _sealed(
+    built: dict[str, np.ndarray],
+    reads: int,
+    bytes_read: int,
+    errors: dict[int, tuple[str, str]],
+    started: float,
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The chunk with its checksum, and the build's report."""
     columns = seal(built)
     report = {
-        "reads": len(fetch_rows) - sum(isinstance(d, ShardCacheError) for d in fetched),
+        "reads": reads,
         "bytes_read": bytes_read,
         "errors": {str(k): list(v) for k, v in errors.items()},
         "build_ms": int((time.perf_counter() - started) * 1000),

@@ -16,7 +16,7 @@ import numpy as np
 from shardcache.chunks import ERRORS, FAILED, PLAIN_FIELD, TARGET
 from shardcache.errors import PreprocessError
 
-__all__ = ["build_chunk"]
+__all__ = ["build_chunk", "column_chunk"]
 
 Value = Any  # np.ndarray | dict[str, np.ndarray]
 
@@ -64,6 +64,30 @@ def build_chunk(
             arrays = [_fields(samples[i])[field] for i in ok]
             cols.update(_field_columns(field, arrays, ok, n, ref, names))
     cols[FAILED] = failed
+    return _finish(cols, errors, names, targets)
+
+
+def column_chunk(
+    column: np.ndarray, names: Sequence[str], targets: Sequence[Any] | None = None
+) -> dict[str, np.ndarray]:
+    """A chunk whose one plain field was laid out already, a row per member
+    (``npy_rows.read_npy_column``), none failed: the same columns
+    ``build_chunk`` gives for those samples, without copying them again.
+
+    >>> sorted(column_chunk(np.zeros((2, 3)), ["a", "b"]))
+    ['_', '__errors__', '__failed__']
+    """
+    cols = {PLAIN_FIELD: column, FAILED: np.zeros(len(column), dtype=bool)}
+    return _finish(cols, None, names, targets)
+
+
+def _finish(
+    cols: dict[str, np.ndarray],
+    errors: dict[int, tuple[str, str]] | None,
+    names: Sequence[str],
+    targets: Sequence[Any] | None,
+) -> dict[str, np.ndarray]:
+    """The columns every chunk has besides its fields: target, errors."""
     if targets is not None:
         labels = np.asarray(targets)
         if labels.dtype.hasobject or labels.dtype.kind in "US":

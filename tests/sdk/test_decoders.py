@@ -7,7 +7,7 @@ import io
 import numpy as np
 import pytest
 
-from shardcache.decoders import _npy_layout, decode_npy
+from shardcache.decoders import decode_npy, npy_layout
 
 
 def _npy(array: np.ndarray, version: tuple[int, int] | None = None) -> bytes:
@@ -47,11 +47,11 @@ def test_decode_npy_reads_format_2_and_3_headers():
 
 
 def test_decode_npy_parses_each_distinct_header_once():
-    _npy_layout.cache_clear()
+    npy_layout.cache_clear()
     for i in range(20):
         decode_npy(_npy(np.full((4, 4), i, np.float32)))
     decode_npy(_npy(np.zeros(3, np.int8)))
-    assert _npy_layout.cache_info().misses == 2
+    assert npy_layout.cache_info().misses == 2
 
 
 def test_decode_npy_refuses_object_arrays_and_bad_bytes_like_np_load():
