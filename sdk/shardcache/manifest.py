@@ -269,10 +269,3 @@ class Manifest:
         """The identity of rows ``lo`` to ``hi``, kept with a built chunk so that
         a rebuild re-reads only the rows that changed."""
         return self.hashes[lo:hi]
-
-    def changed_rows(self, lo: int, hi: int, old_hashes: np.ndarray) -> np.ndarray:
-        """Rows of chunk ``[lo, hi)`` whose member differs from ``old_hashes``."""
-        now = self.hashes[lo:hi]
-        if len(old_hashes) != len(now):
-            return np.arange(hi - lo)
-        return np.flatnonzero(now != old_hashes)

@@ -364,12 +364,6 @@ class PackedManifest:
         u = int(np.searchsorted(self._starts, lo, side="right") - 1)
         return np.full(hi - lo, self.columns["unit_hashes"][u], dtype=np.uint64)
 
-    def changed_rows(self, lo: int, hi: int, old_hashes: np.ndarray) -> np.ndarray:
-        now = self.row_hashes(lo, hi)
-        if len(old_hashes) != len(now) or (now != old_hashes).any():
-            return np.arange(hi - lo)
-        return np.zeros(0, dtype=np.int64)
-
     def changed_files(self, old: PackedManifest) -> list[str]:
         """URLs of files added, removed or rewritten since ``old``."""
         before = {old.file(i)[0]: old.file(i)[1] for i in range(old.num_files)}

@@ -30,6 +30,7 @@ from shardcache.errors import (
 )
 from shardcache.manifest import Manifest, ManifestWriter
 from shardcache.source import open_remote
+from shardcache_server.list_pages import fast_pages, page_objects
 
 __all__ = ["LIST_CONCURRENCY", "LIST_PAGE_KEYS", "LIST_RETRIES", "list_source"]
 
@@ -272,12 +273,16 @@ def _backoff_s(failures: int) -> float:
 
 
 def _add_s3(
-    out: ManifestWriter, head: bytes, obj: dict[str, Any], accept: Accept, path: str
+    out: ManifestWriter,
+    head: bytes,
+    obj: tuple[str, int, str],
+    accept: Accept,
+    bucket: str,
 ) -> None:
-    if obj["Key"].endswith("/") or not accept(path):
+    key, size, etag = obj
+    if key.endswith("/") or not accept(f"{bucket}/{key}"):
         return  # a "directory" marker object, or filtered out
-    etag = str(obj.get("ETag", "")).strip('"') or f"size-{obj['Size']}"
-    out.add_bytes(head + obj["Key"].encode(), int(obj["Size"]), etag.encode())
+    out.add_bytes(head + key.encode(), size, (etag or f"size-{size}").encode())
 
 
 def _unparsed(value: str) -> str:
@@ -318,6 +323,7 @@ async def _list_s3_async(
     fs = s3fs.S3FileSystem(asynchronous=True, skip_instance_cache=True, **options)
     client = await fs.set_session()
     _skip_timestamps(fs.session)
+    fast_pages(client)
     try:
         prefix = key.rstrip("/") + "/" if key else ""
         parts = _Parts()
@@ -328,16 +334,18 @@ async def _list_s3_async(
         async def one_prefix(sub: str, out: ManifestWriter) -> None:
             async with sem:
                 async for page in _pages(client, bucket, sub, url, budget):
-                    listed[0] += len(page.get("Contents", ()))
-                    for obj in page.get("Contents", ()):
-                        _add_s3(out, head, obj, accept, f"{bucket}/{obj['Key']}")
+                    objects = page_objects(page)
+                    listed[0] += len(objects)
+                    for obj in objects:
+                        _add_s3(out, head, obj, accept, bucket)
 
         tasks = []
         async for page in _pages(client, bucket, prefix, url, budget, True):
             # A page's keys and sub-prefixes are each sorted; interleave them
             # by name so each sub-prefix's slot sits where its keys sort.
-            listed[0] += len(page.get("Contents", ()))
-            entries = [(o["Key"].encode(), o) for o in page.get("Contents", ())]
+            objects = page_objects(page)
+            listed[0] += len(objects)
+            entries: list[tuple[bytes, Any]] = [(o[0].encode(), o) for o in objects]
             entries += [
                 (p["Prefix"].encode(), None) for p in page.get("CommonPrefixes", ())
             ]
@@ -350,7 +358,7 @@ async def _list_s3_async(
                         asyncio.ensure_future(one_prefix(sub, parts.slots[slot]))
                     )
                 else:
-                    _add_s3(parts.here, head, obj, accept, f"{bucket}/{obj['Key']}")
+                    _add_s3(parts.here, head, obj, accept, bucket)
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -359,10 +367,10 @@ async def _list_s3_async(
         if key and not any(len(s) for s in parts.slots) and not listed[0]:
             # Nothing under "key/": the URL may name one object.
             async for page in _pages(client, bucket, key, url, budget):
-                for obj in page.get("Contents", ()):
-                    if obj["Key"] == key:
+                for obj in page_objects(page):
+                    if obj[0] == key:
                         listed[0] += 1
-                        _add_s3(parts.here, head, obj, accept, root)
+                        _add_s3(parts.here, head, obj, accept, bucket)
                 break
             if not listed[0]:
                 raise _not_found(url)
