@@ -12,6 +12,7 @@ import pytest
 from shardcache.chunks import Chunk
 from shardcache.decoders import raw_bytes
 from shardcache.manifest import Manifest
+from shardcache_server.emulator import FaultPlan
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.store import CacheShard
 
@@ -84,30 +85,64 @@ def test_chunk_changed_member_is_the_only_object_read_again(
     assert entries[items[0][0]]["etag"] == new_items[0][1]
 
 
-def test_chunk_member_that_fails_is_named_and_the_rest_is_served(
+def test_chunk_member_that_is_gone_is_named_cached_and_not_read_again(
     s3, s3fs_client, bucket, redis_url
 ):
+    # A failure the object gives every time (gone, undecodable) is cached with
+    # its row marked: one bad object costs one read, not its chunk every epoch.
     cfg, index, spec, items = _setup(s3, s3fs_client, bucket, redis_url)
 
     async def scenario():
         shard = _shard(cfg)
         await shard.install(spec, raw_bytes)
         s3fs_client.rm(f"{bucket}/d/007.bin")  # gone after the listing
-        out = (await shard.get("ds", 1, items))[0]
+        first = (await shard.get("ds", 1, items))[0]
+        reads = s3.total_gets
+        again = (await shard.get("ds", 1, items))[0]
         info = await shard.info()
         await asyncio.sleep(0.2)
         await shard.close()
-        return out, info
+        return first, again, reads, info
 
-    (status, value), info = asyncio.run(scenario())
+    (status, value), (status_again, _), reads, info = asyncio.run(scenario())
     chunk = Chunk(value)
-    assert status == "uncached"  # served now, not cached: the next epoch retries
+    assert status == "fetched" and status_again == "hit"
+    assert s3.total_gets == reads  # the second epoch read nothing
     assert chunk.failed.tolist() == [i == 7 for i in range(COUNT)]
     kind, message = chunk.error(7)
     assert kind == "SourceNotFound" and f"s3://{bucket}/d/007.bin" in message
     assert bytes(chunk.sample(3)) == bytes([3]) * 100
-    assert info["entries"] == 0 and not index.entries("ds", 1)
+    assert info["entries"] == 1 and index.entries("ds", 1)
     assert any(e["kind"] == "fetch_error" for e in index.events())
+
+
+def test_chunk_whose_reads_fail_for_now_is_served_uncached_and_read_again(
+    s3, s3fs_client, bucket, redis_url
+):
+    # 503s past the retries may not come back: the chunk is served with its
+    # rows marked, not cached, and the next request reads them again.
+    cfg, index, spec, items = _setup(s3, s3fs_client, bucket, redis_url, fetch_retries=1)
+
+    async def scenario():
+        shard = _shard(cfg)
+        await shard.install(spec, raw_bytes)
+        s3.set_faults(FaultPlan(error_rate=1.0, error_status=503))
+        first = (await shard.get("ds", 1, items))[0]
+        during = (await shard.info())["entries"]
+        s3.set_faults(FaultPlan())
+        again = (await shard.get("ds", 1, items))[0]
+        info = await shard.info()
+        await asyncio.sleep(0.2)
+        await shard.close()
+        return first, during, again, info
+
+    (status, value), during, (status_again, value_again), info = asyncio.run(scenario())
+    assert status == "uncached" and during == 0
+    assert Chunk(value).failed.all()
+    assert Chunk(value).error(0)[0] == "RemoteFetchError"
+    assert status_again == "fetched" and not Chunk(value_again).failed.any()
+    assert _samples((status_again, value_again)) == [bytes([i]) * 100 for i in range(COUNT)]
+    assert info["entries"] == 1
 
 
 def test_chunk_larger_than_the_budget_is_served_uncached(

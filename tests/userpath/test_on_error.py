@@ -22,20 +22,25 @@ from shardcache.errors import ShardCacheError
 def load_npy(data):
     return np.load(io.BytesIO(data))
 
-root, on_error, out = sys.argv[1], sys.argv[2], sys.argv[3]
+root, on_error, out, epochs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 ds = DistributedCachedDataset(root, preprocess=load_npy, on_error=on_error,
                               name=f"skip-{on_error}")
 loader = torch.utils.data.DataLoader(ds, batch_size=10, sampler=ds.sampler)
-steps, values = 0, []
-try:
-    for batch in loader:
-        steps += 1
-        values += batch[:, 0].tolist()
-except ShardCacheError as exc:
-    values = {"error": type(exc).__name__, "message": str(exc)}
-stats = ds.stats()
+steps, values, reads, skipped = 0, [], [], []
+for epoch in range(epochs):
+    ds.set_epoch(epoch)
+    before = ds.stats()
+    try:
+        for batch in loader:
+            steps += 1
+            values += batch[:, 0].tolist() if epoch == 0 else []
+    except ShardCacheError as exc:
+        values = {"error": type(exc).__name__, "message": str(exc)}
+    after = ds.stats()
+    reads.append(after["remote_reads"] - before["remote_reads"])
+    skipped.append(after["skipped"] - before["skipped"])
 with open(f"{out}.{ds.rank}.json", "w") as f:
-    json.dump({"steps": steps, "values": values, "skipped": stats["skipped"]}, f)
+    json.dump({"steps": steps, "values": values, "skipped": skipped, "reads": reads}, f)
 """
 
 
@@ -48,18 +53,22 @@ def test_on_error_skip_keeps_every_rank_in_step_and_counts_the_bad_object(user):
     script = user.write("train.py", SCRIPT)
 
     out = user.workdir / "skip"
-    done = user.torchrun(script, f"{root}/", "skip", str(out))
+    done = user.torchrun(script, f"{root}/", "skip", str(out), "2")
     assert done.returncode == 0, done.stderr[-4000:]
     ranks = [json.loads((user.workdir / f"skip.{r}.json").read_text()) for r in (0, 1)]
-    assert [r["steps"] for r in ranks] == [5, 5]
+    assert [r["steps"] for r in ranks] == [10, 10]
     values = [v for r in ranks for v in r["values"]]
     assert len(values) == 100 and 42 not in values
     assert set(values) == set(range(100)) - {42}  # one stand-in repeats a value
-    assert sum(r["skipped"] for r in ranks) == 1
+    # Counted every epoch it is skipped; read from the source once: the
+    # second epoch reads nothing, not the bad object's whole chunk again.
+    assert [sum(r["skipped"][e] for r in ranks) for e in (0, 1)] == [1, 1]
+    assert sum(r["reads"][0] for r in ranks) == 100
+    assert [r["reads"][1] for r in ranks] == [0, 0]
     assert "skipping samples that could not be read" in done.stderr
 
     out = user.workdir / "raise"
-    done = user.torchrun(script, f"{root}/", "raise", str(out))
+    done = user.torchrun(script, f"{root}/", "raise", str(out), "1")
     assert done.returncode == 0, done.stderr[-4000:]
     ranks = [json.loads((user.workdir / f"raise.{r}.json").read_text()) for r in (0, 1)]
     errors = [r["values"] for r in ranks if isinstance(r["values"], dict)]

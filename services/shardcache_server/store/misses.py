@@ -39,6 +39,16 @@ log = logging.getLogger(__name__)
 # into the next or previous chunk).
 NEAR = (0, -1, 1, -2, 2)
 
+# Member failures the same version of an object gives every time it is read
+# (its bytes do not decode, it is gone, its size is not the listing's): a
+# chunk whose only failures are these is cached with them marked. A failure
+# that may not come back (a connection, a timeout, a GET throttled past its
+# retries) leaves the chunk uncached, to be read again next epoch. A rewritten
+# object has another ETag, so another chunk version, and is read anew.
+SETTLED_FAILURES = frozenset(
+    {"PreprocessError", "SourceFormatError", "SourceNotFound", "CorruptObjectError"}
+)
+
 Key = tuple[str, int, str, str]  # (dataset, generation, chunk, version)
 
 
@@ -176,15 +186,19 @@ class MissResolver:
             return
         self._count_build((ds.name, generation), report)
         if report["errors"]:
-            # Served with the failed rows marked, never cached: the next
-            # epoch retries them, and the rest of the chunk is not lost now.
             row, (kind, message) = next(iter(report["errors"].items()))
-            await self._records.release(ds.name, generation, [chunk])
             self._records.event(
                 "fetch_error", ds.name, key=chunk, error=kind, message=message
             )
-            self._settle(key, (Status.UNCACHED, ref))
-            return
+            if not {k for k, _ in report["errors"].values()} <= SETTLED_FAILURES:
+                # Served with the failed rows marked, not cached: a read that
+                # may work next time is retried next epoch.
+                await self._records.release(ds.name, generation, [chunk])
+                self._settle(key, (Status.UNCACHED, ref))
+                return
+            # Every failure is one this object version gives again: the chunk
+            # is cached with those rows marked, so a bad file costs one read,
+            # not its whole chunk's every epoch.
         index = parse_chunk_key(chunk)
         lo, hi = ds.manifest.layout.bounds(index)
         admitted = self._table.generation[ds.name] == generation and self._admit(
