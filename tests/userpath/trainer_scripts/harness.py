@@ -7,8 +7,11 @@ At the end of each of this process's epochs (its record reaching a multiple
 of the dataset's per-rank length), Net writes rank<R>.json to OUT: the
 values, the per-epoch length and ``ds.stats()``'s hits and misses. Written
 then rather than at exit: Ray ends its workers without running exit hooks.
+At exit too, where there is one: a rank fed a count that is no multiple of
+its per-rank length (a trainer repeating samples) still reports what it got.
 """
 
+import atexit
 import json
 import os
 from pathlib import Path
@@ -56,3 +59,6 @@ def _report(ds):
         "misses": stats["misses"],
     }
     (OUT / f"rank{ds.rank}.json").write_text(json.dumps(report))
+
+
+atexit.register(lambda: DATASETS and _report(DATASETS[-1]))
