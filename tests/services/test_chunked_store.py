@@ -235,3 +235,39 @@ def test_objects_added_and_removed_read_only_what_is_new(
         # A chunk rebuilt first no longer has the row its successor took from
         # it: at most one read per chunk for that, never the whole prefix.
         assert 1 <= read <= 1 + len(new_items)
+
+
+def _doubled(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, np.uint8) * 2  # another preprocess: generation 2
+
+
+def test_a_retired_generation_builds_with_its_own_preprocess_not_the_new_chunks(
+    s3, s3fs_client, bucket, redis_url
+):
+    # A rank mid-epoch on generation 1 asks for a chunk after the preprocess
+    # changed: the chunk held for generation 2 has the same URLs and ETags,
+    # but its rows are the new preprocess's, so none may be copied.
+    per_chunk, count = 4, 12
+    s3fs_client.pipe({f"{bucket}/r/{i:03d}.bin": bytes([i]) * 10 for i in range(count)})
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    cfg = ServiceSettings(redis_url=redis_url, namespace=ns, stats_flush_s=0.05)
+    url = f"s3://{bucket}/r/"
+    _, old, items = register_dataset(s3, url, redis_url, ns, raw_bytes, chunk_samples=per_chunk)
+    _, new, _ = register_dataset(s3, url, redis_url, ns, _doubled, chunk_samples=per_chunk)
+    assert (old["generation"], new["generation"]) == (1, 2)
+
+    async def scenario():
+        shard = _shard(cfg)
+        await shard.install(old, raw_bytes)
+        await shard.get("ds", 1, [items[0]])
+        await shard.install(new, _doubled)  # generation 1 retired, kept readable
+        (fresh,) = await shard.get("ds", 2, [items[1]])
+        before = s3.total_gets
+        (retired,) = await shard.get("ds", 1, [items[1]])
+        await shard.close()
+        return fresh, retired, s3.total_gets - before
+
+    fresh, retired, read = asyncio.run(scenario())
+    assert _samples(fresh) == [bytes([2 * i]) * 10 for i in range(4, 8)]
+    assert _samples(retired) == [bytes([i]) * 10 for i in range(4, 8)]
+    assert read == per_chunk  # its rows read again, not copied from generation 2
