@@ -100,6 +100,17 @@ def local_build(settings):
     return build
 
 
+def local_shard(settings, node: str = "node-a"):
+    """A ``CacheShard`` in this process: chunks built in its threads, values
+    passed as they are (no object store), no peers."""
+    from shardcache_server.store import CacheShard
+
+    return CacheShard(
+        settings, node, put=lambda v: v, get=lambda v: v, peer=lambda n: None,
+        build=local_build(settings),
+    )  # fmt: skip
+
+
 def view(result):
     """A store result as a test reads it: ``(status, first sample)``, or the
     ``("error", class, message)`` of a failed member / failed chunk."""

@@ -14,9 +14,8 @@ from shardcache import DistributedCachedDataset
 from shardcache.checksum import is_intact
 from shardcache_server.cli import app
 from shardcache_server.settings import ServiceSettings
-from shardcache_server.store import CacheShard
 
-from helpers import local_build, register_dataset
+from helpers import local_shard, register_dataset
 
 OBJECT_BYTES = 96 * 2**10  # two per chunk: 192 KiB, far above Ray's 100 KiB inlining
 OBJECTS = 4
@@ -119,11 +118,7 @@ def _plain_shard(s3, s3fs_client, bucket, redis_url, **settings):
         redis_url=redis_url, namespace=ns, stats_flush_s=0.05, **settings
     )
     _, spec, items = register_dataset(s3, f"s3://{bucket}/d/", redis_url, ns, raw_bytes)
-    shard = CacheShard(
-        cfg, "node-a", put=lambda v: v, get=lambda v: v, peer=lambda n: None,
-        build=local_build(cfg),
-    )  # fmt: skip
-    return shard, spec, items
+    return local_shard(cfg), spec, items
 
 
 def test_shard_verify_contents_finds_and_repairs_corruption_in_memory(

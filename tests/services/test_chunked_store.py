@@ -14,9 +14,8 @@ from shardcache.decoders import raw_bytes
 from shardcache.manifest import Manifest
 from shardcache_server.emulator import FaultPlan
 from shardcache_server.settings import ServiceSettings
-from shardcache_server.store import CacheShard
 
-from helpers import local_build, register_dataset
+from helpers import local_shard, register_dataset
 
 COUNT = 10  # objects, all in one chunk
 
@@ -37,13 +36,6 @@ def _setup(s3, s3fs_client, bucket, redis_url, preprocess=raw_bytes, **settings)
     return cfg, index, spec, items
 
 
-def _shard(cfg):
-    return CacheShard(
-        cfg, "node-a", put=lambda v: v, get=lambda v: v, peer=lambda n: None,
-        build=local_build(cfg),
-    )  # fmt: skip
-
-
 def _items(manifest: Manifest):
     return manifest.chunk_items(range(len(manifest.layout)))
 
@@ -59,7 +51,7 @@ def test_chunk_changed_member_is_the_only_object_read_again(
     cfg, index, spec, items = _setup(s3, s3fs_client, bucket, redis_url)
 
     async def scenario():
-        shard = _shard(cfg)
+        shard = local_shard(cfg)
         await shard.install(spec, raw_bytes)
         first = (await shard.get("ds", 1, items))[0]
         gets_before = s3.total_gets
@@ -93,7 +85,7 @@ def test_chunk_member_that_is_gone_is_named_cached_and_not_read_again(
     cfg, index, spec, items = _setup(s3, s3fs_client, bucket, redis_url)
 
     async def scenario():
-        shard = _shard(cfg)
+        shard = local_shard(cfg)
         await shard.install(spec, raw_bytes)
         s3fs_client.rm(f"{bucket}/d/007.bin")  # gone after the listing
         first = (await shard.get("ds", 1, items))[0]
@@ -124,7 +116,7 @@ def test_chunk_whose_reads_fail_for_now_is_served_uncached_and_read_again(
     cfg, index, spec, items = _setup(s3, s3fs_client, bucket, redis_url, fetch_retries=1)
 
     async def scenario():
-        shard = _shard(cfg)
+        shard = local_shard(cfg)
         await shard.install(spec, raw_bytes)
         s3.set_faults(FaultPlan(error_rate=1.0, error_status=503))
         first = (await shard.get("ds", 1, items))[0]
@@ -153,7 +145,7 @@ def test_chunk_larger_than_the_budget_is_served_uncached(
     )
 
     async def scenario():
-        shard = _shard(cfg)
+        shard = local_shard(cfg)
         await shard.install(spec, raw_bytes)
         out = [(await shard.get("ds", 1, items))[0] for _ in range(2)]
         info = await shard.info()
@@ -176,7 +168,7 @@ def test_chunk_whose_samples_disagree_on_dtype_is_a_preprocess_error(
     cfg, _, spec, items = _setup(s3, s3fs_client, bucket, redis_url, mixed)
 
     async def scenario():
-        shard = _shard(cfg)
+        shard = local_shard(cfg)
         await shard.install(spec, mixed)
         out = (await shard.get("ds", 1, items))[0]
         await shard.close()
@@ -205,7 +197,7 @@ def test_objects_added_and_removed_read_only_what_is_new(
     )
 
     async def scenario():
-        shard = _shard(cfg)
+        shard = local_shard(cfg)
         await shard.install(spec, raw_bytes)
         for item in items:
             await shard.get("ds", 1, [item])
@@ -257,7 +249,7 @@ def test_a_retired_generation_builds_with_its_own_preprocess_not_the_new_chunks(
     assert (old["generation"], new["generation"]) == (1, 2)
 
     async def scenario():
-        shard = _shard(cfg)
+        shard = local_shard(cfg)
         await shard.install(old, raw_bytes)
         await shard.get("ds", 1, [items[0]])
         await shard.install(new, _doubled)  # generation 1 retired, kept readable

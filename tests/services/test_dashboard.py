@@ -20,9 +20,8 @@ from shardcache.usage import UsageReader, UsageReporter
 from shardcache_server.dashboard import create_app
 from shardcache_server.index import ClusterIndex
 from shardcache_server.settings import ServiceSettings
-from shardcache_server.store import CacheShard
 
-from helpers import local_build, register_dataset
+from helpers import local_shard, register_dataset
 
 
 @pytest.fixture
@@ -37,10 +36,7 @@ def filled(s3, s3fs_client, bucket, redis_url):
     cfg = ServiceSettings(redis_url=redis_url, namespace=ns, stats_flush_s=0.05)
 
     async def run():
-        shard = CacheShard(
-            cfg, "node-a", put=lambda v: v, get=lambda v: v, peer=lambda n: None,
-            build=local_build(cfg),
-        )  # fmt: skip
+        shard = local_shard(cfg)
         await shard.install(spec, raw_bytes)
         for _ in range(3):
             await shard.get("images", gen, items)
@@ -111,10 +107,7 @@ def test_dashboard_counts_cached_objects_not_chunks(
     cfg = ServiceSettings(redis_url=redis_url, namespace=ns, stats_flush_s=0.05)
 
     async def run():
-        shard = CacheShard(
-            cfg, "node-a", put=lambda v: v, get=lambda v: v, peer=lambda n: None,
-            build=local_build(cfg),
-        )  # fmt: skip
+        shard = local_shard(cfg)
         await shard.install(spec, raw_bytes)
         await shard.get("chunked", spec["generation"], items[:1])
         await asyncio.sleep(0.3)

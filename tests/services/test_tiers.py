@@ -15,9 +15,8 @@ from shardcache.chunks import Chunk
 from shardcache.decoders import raw_bytes
 from shardcache.sampler import ShardSampler
 from shardcache_server.settings import ServiceSettings
-from shardcache_server.store import CacheShard
 
-from helpers import local_build, register_dataset
+from helpers import local_shard, register_dataset
 
 PER_CHUNK = 4  # objects per chunk
 CHUNKS = 16
@@ -49,13 +48,6 @@ def _setup(s3, s3fs_client, bucket, redis_url, **settings):
     return cfg, index, spec, items
 
 
-def _shard(cfg, node="node-a"):
-    return CacheShard(
-        cfg, node, put=lambda v: v, get=lambda v: v, peer=lambda n: None,
-        build=local_build(cfg),
-    )  # fmt: skip
-
-
 def _chunk_nbytes() -> int:
     """One chunk of 4 x 100 B samples: the stacked column, failed flags, "{}",
     the 8-byte checksum."""
@@ -81,7 +73,7 @@ async def _epochs(shard, items, epochs, first=0):
 async def _cold_then_warm(s3, cfg, spec, items):
     """One store, a cold epoch, its disk writes flushed, a warm epoch:
     ``(cold, GETs after the cold epoch, warm, info)``."""
-    shard = _shard(cfg)
+    shard = local_shard(cfg)
     await shard.install(spec, raw_bytes)
     cold = await _epochs(shard, items, 1)
     await shard.flush_disk()
@@ -108,7 +100,7 @@ def test_store_gets_at_half_cache_clairvoyant_equals_belady_min_and_beats_static
         s3.reset_counts()
 
         async def scenario(cfg=cfg, spec=spec, items=items):
-            shard = _shard(cfg)
+            shard = local_shard(cfg)
             await shard.install(spec, raw_bytes)
             got = await _epochs(shard, items, 3)
             await shard.close()
@@ -154,7 +146,7 @@ def test_store_disk_tier_serves_ram_misses_and_survives_restart(
     async def restarted_store():
         # A new incarnation on the same host and disk: the same Ray node (the
         # process crashed) or a new one (a rolled DaemonSet pod).
-        shard = _shard(cfg, new_node)
+        shard = local_shard(cfg, new_node)
         await shard.ping()
         await asyncio.sleep(0.2)  # its predecessor's index entries are dropped
         await shard.install(spec, raw_bytes)
@@ -200,13 +192,13 @@ def test_store_disk_tier_never_serves_a_file_of_another_generation(
     )
 
     async def scenario():
-        shard = _shard(cfg)
+        shard = local_shard(cfg)
         await shard.install(spec, raw_bytes)
         await shard.get("ds", 1, items)
         await shard.flush_disk()
         await shard.close()
         gen = index.invalidate("ds")  # e.g. the preprocess changed
-        again = _shard(cfg)
+        again = local_shard(cfg)
         await again.install({**spec, "generation": gen}, raw_bytes)
         before = s3.total_gets
         out = await again.get("ds", gen, items)

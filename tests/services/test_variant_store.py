@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from test_shard import CHUNK_OVERHEAD, _run, _setup, _shard
+from test_shard import CHUNK_OVERHEAD, _run, _setup
 
 from shardcache.checksum import is_intact, seal
 from shardcache.chunks import Chunk
@@ -21,6 +21,8 @@ from shardcache_server.eviction import make_policy
 from shardcache_server.store.retired import RetiredGenerations
 from shardcache_server.store.table import Cached, HeldTable
 from shardcache_server.variants import VariantRequest, build_variant
+
+from helpers import local_shard
 
 VARIANT_OVERHEAD = 8  # bytes a variant has beyond its base: the __variant__ column
 
@@ -116,7 +118,7 @@ def test_shard_builds_the_asked_variant_then_the_others_in_the_background(
     spec, variants = _with_variants(spec)
 
     async def scenario():
-        shard = _shard(cfg)
+        shard = local_shard(cfg)
         await shard.install(spec, raw_bytes)
         first = await shard.get("ds", 1, [variants.item(it, 1) for it in items])
         await _settled(shard)
@@ -156,7 +158,7 @@ def test_shard_serves_the_base_form_where_the_budget_holds_no_variant(
     spec, variants = _with_variants(spec, k=4)
 
     async def scenario():
-        shard = _shard(cfg)
+        shard = local_shard(cfg)
         await shard.install(spec, raw_bytes)
         await shard.get("ds", 1, items)  # the base chunks, cached first
         epochs = []
@@ -194,7 +196,7 @@ def test_shard_a_new_augment_rebuilds_only_the_variants_from_the_cached_base(
     new_spec = {**spec, "variants": new.install()}
 
     async def scenario():
-        shard = _shard(cfg)
+        shard = local_shard(cfg)
         await shard.install(old_spec, raw_bytes)
         await shard.get("ds", 1, items[:1])  # chunk 0: its base only
         await shard.get("ds", 1, [old.item(it, 0) for it in items[1:]])

@@ -40,14 +40,12 @@ log = logging.getLogger(__name__)
 NEAR = (0, -1, 1, -2, 2)
 
 # Member failures the same version of an object gives every time it is read
-# (its bytes do not decode, it is gone, its size is not the listing's): a
-# chunk whose only failures are these is cached with them marked. A failure
-# that may not come back (a connection, a timeout, a GET throttled past its
-# retries) leaves the chunk uncached, to be read again next epoch. A rewritten
-# object has another ETag, so another chunk version, and is read anew.
-SETTLED_FAILURES = frozenset(
-    {"PreprocessError", "SourceFormatError", "SourceNotFound", "CorruptObjectError"}
-)
+# (its bytes do not decode, it is gone): a chunk whose only failures are these
+# is cached with them marked. A failure that may not come back (a connection,
+# a timeout, a GET throttled past its retries, a body cut short) or that says
+# the object changed since the listing (the next listing reads it anew) leaves
+# the chunk uncached, to be read again next epoch.
+SETTLED_FAILURES = frozenset({"PreprocessError", "SourceFormatError", "SourceNotFound"})
 
 Key = tuple[str, int, str, str]  # (dataset, generation, chunk, version)
 
