@@ -51,11 +51,9 @@ def npy_view(data: bytes) -> np.ndarray:
     pass over every byte.
     """
     view = memoryview(data)
-    if bytes(view[:6]) != b"\x93NUMPY" or len(data) < 12:
+    end = npy_data_offset(bytes(view[:12]))
+    if end is None:
         return np.load(io.BytesIO(data), allow_pickle=False)  # numpy's own error
-    # Version 1.0 stores the header length in 2 bytes, 2.0 and 3.0 in 4.
-    width = 2 if view[6] == 1 else 4
-    end = 8 + width + int.from_bytes(view[8 : 8 + width], "little")
     layout = npy_layout(bytes(view[:end]))
     if layout is None:  # object arrays: np.load refuses them without pickle
         return np.load(io.BytesIO(data), allow_pickle=False)
@@ -63,6 +61,20 @@ def npy_view(data: bytes) -> np.ndarray:
     count = int(np.prod(shape, dtype=np.int64))
     flat = np.frombuffer(data, dtype=dtype, count=count, offset=end)
     return flat.reshape(shape, order=order)
+
+
+def npy_data_offset(head: bytes) -> int | None:
+    """Where a .npy file's array starts (its header's end), from at least its
+    first 12 bytes; ``None`` if they are not a .npy file's.
+
+    >>> buf = io.BytesIO(); np.save(buf, np.zeros(3)); npy_data_offset(buf.getvalue()[:12])
+    128
+    """
+    if len(head) < 12 or head[:6] != b"\x93NUMPY":
+        return None
+    # Version 1.0 stores the header length in 2 bytes, 2.0 and 3.0 in 4.
+    width = 2 if head[6] == 1 else 4
+    return 8 + width + int.from_bytes(head[8 : 8 + width], "little")
 
 
 @functools.lru_cache(maxsize=256)

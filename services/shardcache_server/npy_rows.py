@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shardcache.decoders import npy_layout
+from shardcache.decoders import npy_data_offset, npy_layout
 
 __all__ = ["read_npy_column"]
 
@@ -36,10 +36,9 @@ HEAD = 128  # np.save pads headers to a multiple of 64: most fit in one read
 def _layout(fd: int, size: int) -> tuple[int, tuple[tuple[int, ...], str, np.dtype]] | None:
     """``(data offset, layout)`` of the file behind ``fd``, or ``None``."""
     head = os.pread(fd, min(HEAD, size), 0)
-    if len(head) < 12 or head[:6] != b"\x93NUMPY":
+    end = npy_data_offset(head)
+    if end is None:
         return None
-    width = 2 if head[6] == 1 else 4
-    end = 8 + width + int.from_bytes(head[8 : 8 + width], "little")
     if end > len(head):
         head += os.pread(fd, end - len(head), len(head))
     layout = npy_layout(bytes(head[:end])) if len(head) >= end else None
