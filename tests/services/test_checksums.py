@@ -77,7 +77,7 @@ def test_verify_names_chunk_corrupted_in_object_store_and_checked_read_rebuilds_
     found = _verify(ray_cluster, redis_url, namespace)
     assert found.exit_code == 1, found.output
     assert "chunk c0: contents fail their checksum" in found.output
-    assert "c1" not in found.output
+    assert "chunk c1" not in found.output  # a node id may hold "c1"
 
     monkeypatch.setenv("SHARDCACHE_VERIFY_READS", "1.0")
     gets = s3.total_gets
