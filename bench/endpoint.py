@@ -1,5 +1,6 @@
 """Pods outside Ray (issue 18): warm samples/s of one rank through the node-local
-endpoint beside the in-Ray path, and the Flight stream beside a loopback socket.
+endpoint beside the in-Ray path, and the cross-node streams (the TCP stream and
+Arrow Flight) beside a loopback socket.
 
     .venv/bin/python bench/endpoint.py --samples 8192 --sample-bytes 4096
 
@@ -11,8 +12,10 @@ subprocess: ``ray`` (a Ray driver, the Ray path) or ``endpoint`` (no Ray,
 ``SHARDCACHE_ENDPOINT``). A rank reads one cold epoch, then ``--epochs``
 warm epochs with ``ds.loader(--batch-size)``; the best warm epoch counts.
 ``remote`` streams every chunk of the (warm) dataset over Flight
-(``FlightClient.resolve``), all in one request and then one chunk per
-request (a batch-sized transfer: ``--chunk-samples`` sets the chunk), and
+(``FlightClient.resolve``) and ``tcp`` over the TCP stream
+(``StreamClient.resolve``, ``sendfile`` to ``recv_into``), all in one
+request and then one chunk per request (a batch-sized transfer:
+``--chunk-samples`` sets the chunk), and
 ``socket`` copies the same bytes over a loopback TCP socket, as one
 transfer and as one request/reply per chunk (sendall / recv_into, 4 MiB
 buffers); each with the CPU-seconds per GB it cost. Prints one JSON line.
@@ -178,8 +181,10 @@ def main() -> None:
         start_redis_server,
     )
     from shardcache.transport.flight import FlightClient
+    from shardcache.transport.stream import StreamClient
     from shardcache_server.endpoint import Endpoint, EndpointSettings, serve_unix
     from shardcache_server.endpoint.flight import serve_flight
+    from shardcache_server.endpoint.stream import serve_stream
 
     tmp = Path(tempfile.mkdtemp(prefix="sc-endpoint-bench-"))
     data = tmp / "data"
@@ -200,6 +205,7 @@ def main() -> None:
         endpoint_shm_dir=tempfile.mkdtemp(prefix="sc-bench-", dir="/dev/shm"),
         endpoint_shm_bytes=4 * args.samples * args.sample_bytes + 2**26,
         flight_port=free_port(),
+        stream_port=free_port(),
         flight_token=token,
         node_name="bench-node",
     )
@@ -209,6 +215,8 @@ def main() -> None:
     threading.Thread(target=unix.serve_forever, daemon=True).start()
     flight = serve_flight(endpoint)
     threading.Thread(target=flight.serve, daemon=True).start()
+    stream = serve_stream(endpoint)
+    threading.Thread(target=stream.serve_forever, daemon=True).start()
     base_env = {
         k: v for k, v in os.environ.items() if not k.startswith(("SHARDCACHE_", "RAY_"))
     }
@@ -254,6 +262,15 @@ def main() -> None:
         }
         whole, whole_cpu, nbytes = _stream(client, spec, 128)
         per_chunk, per_chunk_cpu, _ = _stream(client, spec, 1)
+        tcp_client = StreamClient(
+            ClientConfig(
+                namespace="bench",
+                remote_url=f"tcp://127.0.0.1:{settings.stream_port}",
+                remote_token=token,
+            )
+        )
+        tcp_whole, tcp_whole_cpu, _ = _stream(tcp_client, spec, 128)
+        tcp_chunk, tcp_chunk_cpu, _ = _stream(tcp_client, spec, 1)
         chunks = -(-args.samples // args.chunk_samples)
         loopback, loopback_cpu = max(_loopback_copy(nbytes) for _ in range(3))
         loopback_per_chunk, loopback_per_chunk_cpu = max(
@@ -272,6 +289,8 @@ def main() -> None:
                     "stream_bytes": nbytes,
                     "chunk_bytes": nbytes // chunks,
                     "remote_per_chunk_gb_per_s": round(per_chunk, 3),
+                    "tcp_stream_gb_per_s": round(tcp_whole, 3),
+                    "tcp_per_chunk_gb_per_s": round(tcp_chunk, 3),
                     "loopback_per_chunk_gb_per_s": round(loopback_per_chunk, 3),
                     # CPU-seconds per GB moved (both ends, this process): the
                     # figure that holds when other work shares the cores.
@@ -279,6 +298,8 @@ def main() -> None:
                         "remote_stream": round(whole_cpu, 3),
                         "loopback_socket": round(loopback_cpu, 3),
                         "remote_per_chunk": round(per_chunk_cpu, 3),
+                        "tcp_stream": round(tcp_whole_cpu, 3),
+                        "tcp_per_chunk": round(tcp_chunk_cpu, 3),
                         "loopback_per_chunk": round(loopback_per_chunk_cpu, 3),
                     },
                     "cpus": os.cpu_count(),
@@ -288,6 +309,7 @@ def main() -> None:
     finally:
         unix.shutdown()
         flight.shutdown()
+        stream.shutdown()
         endpoint.files.clear()
         Path(settings.endpoint_shm_dir).rmdir()
         ray.shutdown()

@@ -1,4 +1,5 @@
-"""What one Flight DoGet costs each side, beside a raw loopback socket (issue 30).
+"""What one chunk costs each side over Flight and over the TCP stream, beside a
+raw loopback socket (issue 30).
 
     .venv/bin/python bench/flight_cost.py --sizes-mib 1,4,16
 
@@ -6,9 +7,14 @@ For each size, one chunk-like file of that many random bytes in /dev/shm,
 served in a process of its own, twice: by a Flight server that streams it
 as one ``large_binary`` row the way ``endpoint/flight.py`` does (mapped per
 request, ``mapped``, or kept mapped, ``kept``), and by a socket server that
-``sendall``s it per one-byte request. This process is the client: DoGet +
-``read_all`` (with the gRPC channel options of ``--client-options``), or
-``recv_into`` one reused buffer. Prints one JSON line per size: best GB/s
+``sendall``s it per one-byte request; and by the project's TCP stream server
+(``endpoint/stream.py``, ``sendfile``) in front of an endpoint that answers
+every ``get`` with that file written as a chunk file. This process is the
+client: DoGet + ``read_all`` (with the gRPC channel options of
+``--client-options``), ``recv_into`` one reused buffer, or the project's
+``StreamClient`` (its columns viewed, as a rank gets them; ``stream`` with
+its receive buffers reused once free, ``stream_fresh`` with a new buffer
+per chunk). Prints one JSON line per size: best GB/s
 and CPU-seconds per GB of the client and of the server, per path. CPU per
 GB is the figure that holds when other work shares the cores.
 """
@@ -23,6 +29,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 COPY_BUFFER_BYTES = 4 * 2**20
@@ -61,6 +68,21 @@ def _flight_server(port: int, path: str) -> None:
             return flight.RecordBatchStream(pa.Table.from_batches([batch]))
 
     Server(f"grpc://127.0.0.1:{port}").serve()
+
+
+def _stream_server(port: int, path: str) -> None:
+    from shardcache_server.endpoint.service import EndpointSettings
+    from shardcache_server.endpoint.stream import serve_stream
+
+    class OneChunk:
+        settings = EndpointSettings(stream_port=port, flight_token="bench")
+
+        def handle(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+            if message["op"] != "get":
+                return {"result": None}, []
+            return {"statuses": ["hit"]}, [(Path(path), False)]
+
+    serve_stream(OneChunk()).serve_forever()  # type: ignore[arg-type]
 
 
 def _socket_server(port: int, nbytes: int) -> None:
@@ -118,12 +140,19 @@ def _one_size(nbytes: int, options: list[tuple[str, Any]]) -> dict[str, Any]:
     import numpy as np
     import pyarrow.flight as flight
 
+    from shardcache.chunk_file import write_chunk_file
+    from shardcache.config import ClientConfig
+    from shardcache.transport.stream import StreamClient
+
     path = f"/dev/shm/flight-cost-{os.getpid()}-{nbytes}.bin"
     with open(path, "wb") as f:
         f.write(np.random.default_rng(0).bytes(nbytes))
+    chunk = f"/dev/shm/flight-cost-{os.getpid()}-{nbytes}.chunk"
+    write_chunk_file(chunk, {"_": np.frombuffer(Path(path).read_bytes(), np.uint8)})
     reps = max(8, 256 * 2**20 // nbytes)
     fsrv, fport = _start("flight", path)
     ssrv, sport = _start("socket", str(nbytes))
+    tsrv, tport = _start("stream", chunk)
     try:
         client = flight.FlightClient(
             f"grpc://127.0.0.1:{fport}", generic_options=options or None
@@ -140,16 +169,28 @@ def _one_size(nbytes: int, options: list[tuple[str, Any]]) -> dict[str, Any]:
         def get(mode: bytes) -> Any:
             return lambda: client.do_get(flight.Ticket(mode)).read_all()
 
+        def stream(kept: int) -> Any:
+            reader = StreamClient(
+                ClientConfig(remote_url=f"tcp://127.0.0.1:{tport}", remote_token="bench")
+            )
+            reader._buffers.kept = kept
+            request = {"op": "get", "items": [["c0", "v", 0]]}
+            return lambda: reader._chunks(request)
+
         return {
             "mib": nbytes / 2**20,
             "socket": _measure(recv, nbytes, reps, ssrv.pid),
             "flight_mapped": _measure(get(b"mapped"), nbytes, reps, fsrv.pid),
             "flight_kept": _measure(get(b"kept"), nbytes, reps, fsrv.pid),
+            "stream": _measure(stream(4), nbytes, reps, tsrv.pid),
+            "stream_fresh": _measure(stream(0), nbytes, reps, tsrv.pid),
         }
     finally:
         fsrv.kill()
         ssrv.kill()
+        tsrv.kill()
         os.unlink(path)
+        os.unlink(chunk)
 
 
 def main() -> None:
@@ -162,6 +203,8 @@ def main() -> None:
         kind, arg, port = args.serve
         if kind == "flight":
             _flight_server(int(port), arg)
+        elif kind == "stream":
+            _stream_server(int(port), arg)
         else:
             _socket_server(int(port), int(arg))
         return

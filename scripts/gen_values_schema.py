@@ -43,6 +43,7 @@ EXTRA: dict[str, dict[str, Any]] = {
     "endpoint.shmBytes": {"minimum": 16777216},
     "endpoint.hostPath": {"pattern": "^/"},
     "endpoint.flight.port": {"minimum": 1, "maximum": 65535},
+    "endpoint.flight.streamPort": {"minimum": 0, "maximum": 65535},
     "examples.pyTorchJob.url": {"pattern": "^$|^[a-z][a-z0-9+.-]*://"},
     "examples.pyTorchJob.workers": {"minimum": 0},
     "examples.pyTorchJob.nprocPerNode": {"minimum": 1},

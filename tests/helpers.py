@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
+from pathlib import Path
 
 import ray
 import ray.cloudpickle
@@ -184,3 +186,14 @@ def cached_samples(index, name, generation):
     return sum(
         int(e.get("samples", 0)) for e in index.entries(name, generation).values()
     )
+
+
+def self_signed_certificate(cert: Path, key: Path) -> tuple[Path, Path]:
+    """A one-day certificate for 127.0.0.1 (``CN=localhost``) and its key, by openssl."""
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key

@@ -50,13 +50,15 @@ class ClientConfig(BaseSettings):
             reachable endpoint is an error, never a fallback to Ray.
             Defaults to ``None``.
         allow_remote: with no endpoint on this node, stream chunks from a
-            cache worker on another node at ``remote_url`` (Arrow Flight).
+            cache worker on another node at ``remote_url``.
             Defaults to ``False``.
-        remote_url: ``grpc://host:port`` or ``grpc+tls://host:port`` of the
-            cache workers' streaming Service. Defaults to ``None``.
-        remote_token: the bearer token of that service. Defaults to ``None``.
+        remote_url: the cache workers' streaming Service: ``tcp://host:port``
+            or ``tls://host:port`` (the TCP stream, the faster path), or
+            ``grpc://`` / ``grpc+tls://host:port`` (Arrow Flight). Defaults
+            to ``None``.
+        remote_token: the token of that service. Defaults to ``None``.
         remote_ca: a PEM file of the CA that signed the service's
-            certificate (``grpc+tls``). Defaults to ``None``.
+            certificate (``tls``, ``grpc+tls``). Defaults to ``None``.
         verify_reads: the share (0 to 1) of chunks whose contents a rank
             checks against the checksum written when they were built, when it
             maps them; a chunk that fails is never served: it is dropped and

@@ -89,6 +89,7 @@ def test_daemonset_runs_endpoint_beside_raylet_with_socket_and_memory_when_endpo
     mounts = {m["name"]: m["mountPath"] for m in worker["volumeMounts"]}
     assert mounts["endpoint-shm"] == env["SHARDCACHE_ENDPOINT_SHM_DIR"]["value"]
     assert {"name": "flight", "containerPort": 8815} in worker["ports"]
+    assert {"name": "stream", "containerPort": 8816} in worker["ports"]
     # The kubelet creates the hostPath root-owned; only CHOWN, only for it.
     (init,) = pod["initContainers"]
     assert init["command"] == ["chown", "1000:1000", "/var/run/shardcache"]
@@ -109,7 +110,7 @@ def test_endpoint_settings_the_chart_sets_are_accepted_by_the_endpoint():
     }
     settings = EndpointSettings(**values)
     assert settings.endpoint_socket_mode == 0o666
-    assert settings.flight_port == 8815
+    assert settings.flight_port == 8815 and settings.stream_port == 8816
 
 
 def test_training_pod_snippet_is_a_valid_pod_and_names_the_socket_when_endpoint_enabled_set():
@@ -126,8 +127,9 @@ def test_training_pod_snippet_is_a_valid_pod_and_names_the_socket_when_endpoint_
         if m["name"] == "shardcache-endpoint"
     )  # fmt: skip
     assert mount["readOnly"] is True and socket.startswith(mount["mountPath"] + "/")
+    # The TCP stream, chosen over Flight by measurement (BENCHMARKS.md).
     assert env["SHARDCACHE_REMOTE_URL"]["value"] == (
-        "grpc+tls://rel-shardcache-flight.cache.svc:8815"
+        "tls://rel-shardcache-flight.cache.svc:8816"
     )
     # Every plain setting of the snippet is one the SDK reads.
     plain = {
@@ -143,12 +145,16 @@ def test_flight_service_and_network_policy_open_only_the_streaming_port_when_fli
     objs = objects(ENDPOINT)
     svc = _one(objs, "Service", "-flight")
     assert svc["spec"]["ports"] == [
-        {"name": "flight", "port": 8815, "targetPort": "flight", "protocol": "TCP"}
+        {"name": "flight", "port": 8815, "targetPort": "flight", "protocol": "TCP"},
+        {"name": "stream", "port": 8816, "targetPort": "stream", "protocol": "TCP"},
     ]
     assert svc["spec"]["selector"]["app.kubernetes.io/component"] == "shard"
     pol = _one(objs, "NetworkPolicy", "-flight")
     (rule,) = pol["spec"]["ingress"]
-    assert rule["ports"] == [{"port": 8815, "protocol": "TCP"}]
+    assert rule["ports"] == [
+        {"port": 8815, "protocol": "TCP"},
+        {"port": 8816, "protocol": "TCP"},
+    ]
     namespaces = {
         s["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
         for s in rule["from"]
@@ -157,6 +163,26 @@ def test_flight_service_and_network_policy_open_only_the_streaming_port_when_fli
     assert namespaces == {"training", "research"}
     token = _one(objs, "Secret", "-flight-token")
     assert set(token["data"]) == {"token"}
+
+
+def test_stream_port_zero_serves_flight_only_and_the_snippet_names_flight():
+    values = {**ENDPOINT, "endpoint": {**ENDPOINT["endpoint"]}}
+    values["endpoint"]["flight"] = {**ENDPOINT["endpoint"]["flight"], "streamPort": 0}
+    objs = objects(values)
+    assert [p["name"] for p in _one(objs, "Service", "-flight")["spec"]["ports"]] == [
+        "flight"
+    ]
+    (rule,) = _one(objs, "NetworkPolicy", "-flight")["spec"]["ingress"]
+    assert rule["ports"] == [{"port": 8815, "protocol": "TCP"}]
+    ds = _one(objs, "DaemonSet", "-shard")
+    worker = ds["spec"]["template"]["spec"]["containers"][0]
+    assert [p["name"] for p in worker["ports"]].count("stream") == 0
+    assert _env(worker)["SHARDCACHE_STREAM_PORT"]["value"] == "0"
+    cm = _one(objs, "ConfigMap", "-training-pod")
+    env = _env(yaml.safe_load(cm["data"]["pod-snippet.yaml"])["containers"][0])
+    assert env["SHARDCACHE_REMOTE_URL"]["value"] == (
+        "grpc+tls://rel-shardcache-flight.cache.svc:8815"
+    )
 
 
 def test_example_pytorchjob_pods_are_valid_and_run_the_shipped_script():

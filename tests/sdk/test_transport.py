@@ -22,6 +22,7 @@ from shardcache.transport.base import Status, Transport
 from shardcache.transport.direct import CacheClient
 from shardcache.transport.flight import FlightClient
 from shardcache.transport.read_path import open_client
+from shardcache.transport.stream import StreamClient
 from shardcache.transport.unix import EndpointClient, _map_fd
 from shardcache.transport.wire import (
     callable_name,
@@ -72,8 +73,20 @@ def test_endpoint_open_client_chooses_the_read_path(tmp_path):
         ClientConfig(allow_remote=True, remote_url="grpc://10.0.0.1:8815")
     )
     assert isinstance(remote, FlightClient) and remote.remote
-    with pytest.raises(ConfigError, match="remote_url"):
-        open_client(ClientConfig(allow_remote=True, remote_url="http://x:1"))
+    for url in ("tcp://10.0.0.1:8816", "tls://cache.ns.svc:8816"):
+        stream = open_client(ClientConfig(allow_remote=True, remote_url=url))
+        assert isinstance(stream, StreamClient) and stream.remote
+    for url in ("http://x:1", "tcp://x", "tcp://:8816", "tls://x:port"):
+        with pytest.raises(ConfigError, match="remote_url"):
+            open_client(ClientConfig(allow_remote=True, remote_url=url))
+    with pytest.raises(ConfigError, match="remote_ca"):
+        open_client(
+            ClientConfig(
+                allow_remote=True,
+                remote_url="tls://x:8816",
+                remote_ca=str(tmp_path / "missing.crt"),
+            )
+        )
     assert isinstance(open_client(ClientConfig()), CacheClient)  # a Ray node
     server = socket.socket(socket.AF_UNIX)
     server.bind(missing)
@@ -132,11 +145,13 @@ def test_transport_every_client_implements_the_protocol(tmp_path):
         CacheClient(ClientConfig()),
         EndpointClient(ClientConfig(), str(tmp_path / "endpoint.sock")),
         FlightClient(ClientConfig(remote_url="grpc://10.0.0.1:8815")),
+        StreamClient(ClientConfig(remote_url="tcp://10.0.0.1:8816")),
     ]
-    assert [isinstance(c, Transport) for c in clients] == [True, True, True]
+    assert [isinstance(c, Transport) for c in clients] == [True] * 4
     assert [(c.needs_ray, c.remote) for c in clients] == [
         (True, False),
         (False, False),
+        (False, True),
         (False, True),
     ]
 

@@ -8,7 +8,7 @@ files in a tmpfs of its own; the training pod (two spawned gloo ranks,
 directory (at ``/mnt``) and has no ``/tmp`` of the host (no Ray session
 directory), and in a network namespace of its own, so it cannot reach Redis
 or the S3 server: everything goes through the socket. A pod on another node
-reads over Arrow Flight with TLS and the token.
+reads over the TCP stream and over Arrow Flight, both with TLS and the token.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import pytest
 
 from shardcache.embedded import free_port
 from shardcache.usage import UsageReader
+
+from helpers import self_signed_certificate
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -116,14 +118,7 @@ def _run(cmd, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 
 def _certificate(directory: Path) -> tuple[Path, Path]:
-    cert, key = directory / "flight.crt", directory / "flight.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return cert, key
+    return self_signed_certificate(directory / "flight.crt", directory / "flight.key")
 
 
 def _start_worker(tmp_path: Path, redis_url: str, namespace: str, hostpath: Path):
@@ -132,7 +127,7 @@ def _start_worker(tmp_path: Path, redis_url: str, namespace: str, hostpath: Path
     cert, key = tmp_path / "flight.crt", tmp_path / "flight.key"
     if not cert.exists():
         _certificate(tmp_path)
-    flight_port = free_port()
+    flight_port, stream_port = free_port(), free_port()
     env = _env(
         SHARDCACHE_REDIS_URL=redis_url,
         SHARDCACHE_NAMESPACE=namespace,
@@ -142,6 +137,7 @@ def _start_worker(tmp_path: Path, redis_url: str, namespace: str, hostpath: Path
         SHARDCACHE_CACHE_BYTES=str(64 * 2**20),
         SHARDCACHE_BUILD_WORKERS="1",
         SHARDCACHE_FLIGHT_PORT=str(flight_port),
+        SHARDCACHE_STREAM_PORT=str(stream_port),
         SHARDCACHE_FLIGHT_TOKEN=TOKEN,
         # The worker's own /dev/shm (object store and chunk files) and /tmp
         # (Ray's session directory); the certificate is copied before /tmp is
@@ -180,6 +176,7 @@ def _start_worker(tmp_path: Path, redis_url: str, namespace: str, hostpath: Path
         "hostpath": hostpath,
         "namespace": namespace,
         "flight_port": flight_port,
+        "stream_port": stream_port,
         "cert": cert,
         "log": log_path,
         "log_file": log,
@@ -313,7 +310,7 @@ def test_endpoint_rank_without_the_mount_gets_endpoint_unavailable(worker, s3, b
     assert "node-b" in result["message"] and "/mnt/endpoint.sock" in result["message"]
 
 
-def test_endpoint_allow_remote_streams_from_another_nodes_worker_over_flight_tls(
+def test_endpoint_allow_remote_streams_from_another_nodes_worker_over_tcp_and_flight_tls(
     worker, s3, s3fs_client, bucket
 ):
     url = _objects(s3fs_client, bucket)
@@ -321,10 +318,14 @@ def test_endpoint_allow_remote_streams_from_another_nodes_worker_over_flight_tls
     env = _env(
         SHARDCACHE_NODE_NAME="node-c",  # a node with no cache worker
         SHARDCACHE_NAMESPACE=worker["namespace"],
-        SHARDCACHE_REMOTE_URL=f"grpc+tls://127.0.0.1:{worker['flight_port']}",
+        SHARDCACHE_REMOTE_URL=f"tls://127.0.0.1:{worker['stream_port']}",
         SHARDCACHE_REMOTE_TOKEN=TOKEN,
         SHARDCACHE_REMOTE_CA="/mnt/flight.crt",
     )
+    flight_env = {
+        **env,
+        "SHARDCACHE_REMOTE_URL": f"grpc+tls://127.0.0.1:{worker['flight_port']}",
+    }
     ca_dir = worker["hostpath"].parent / "ca"
     ca_dir.mkdir(exist_ok=True)
     shutil.copy(worker["cert"], ca_dir / "flight.crt")
@@ -334,10 +335,13 @@ def test_endpoint_allow_remote_streams_from_another_nodes_worker_over_flight_tls
     assert json.loads(refused.stdout.strip().splitlines()[-1])["error"] == (
         "EndpointUnavailable"
     ), refused.stderr[-3000:]
-    remote = _pod("endpoint_job.py", "remote", json.dumps(cfg), hostpath=ca_dir,
-                  own_net=False, env=env)  # fmt: skip
-    for run, origin in enumerate(("source", "peer")):  # cold, then warm
-        done = _run(remote)
+    # Cold and warm over the TCP stream (the chart's default), then warm over
+    # Flight: the same cache, the same counts.
+    for run, (origin, run_env) in enumerate(
+        (("source", env), ("peer", env), ("peer", flight_env))
+    ):
+        done = _run(_pod("endpoint_job.py", "remote", json.dumps(cfg), hostpath=ca_dir,
+                         own_net=False, env=run_env))  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         result = json.loads(done.stdout.strip().splitlines()[-1])
         assert result == {
@@ -354,12 +358,13 @@ def test_endpoint_allow_remote_streams_from_another_nodes_worker_over_flight_tls
         assert served["remote_bytes"] >= sum(64 + i for i in range(OBJECTS))
         assert served["remote_us"] > 0
     assert s3.total_gets == OBJECTS
-    # A wrong token is refused.
-    bad = _run(_pod("endpoint_job.py", "remote", json.dumps(cfg), hostpath=ca_dir,
-                    own_net=False, env={**env, "SHARDCACHE_REMOTE_TOKEN": "nope"}))  # fmt: skip
-    assert json.loads(bad.stdout.strip().splitlines()[-1])["error"] == (
-        "EndpointUnavailable"
-    )
+    # A wrong token is refused on both ports, as the project's own errors.
+    for run_env, error in ((env, "ConfigError"), (flight_env, "EndpointUnavailable")):
+        bad = _run(_pod("endpoint_job.py", "remote", json.dumps(cfg), hostpath=ca_dir,
+                        own_net=False, env={**run_env, "SHARDCACHE_REMOTE_TOKEN": "nope"}))  # fmt: skip
+        assert json.loads(bad.stdout.strip().splitlines()[-1])["error"] == error, (
+            bad.stderr[-3000:]
+        )
 
 
 def test_endpoint_example_torchrun_script_trains_in_a_pod_outside_ray(

@@ -174,8 +174,13 @@ chart's Secret in the training namespace.
 - name: SHARDCACHE_NAMESPACE
   value: {{ .Values.cacheNamespace | quote }}
 {{- if .Values.endpoint.flight.enabled }}
+{{- $tls := ne .Values.endpoint.flight.tlsSecret "" }}
 - name: SHARDCACHE_REMOTE_URL
-  value: "{{ ternary "grpc+tls" "grpc" (ne .Values.endpoint.flight.tlsSecret "") }}://{{ include "shardcache.fullname" . }}-flight.{{ .Release.Namespace }}.svc:{{ .Values.endpoint.flight.port }}"
+  {{- if .Values.endpoint.flight.streamPort }}
+  value: "{{ ternary "tls" "tcp" $tls }}://{{ include "shardcache.fullname" . }}-flight.{{ .Release.Namespace }}.svc:{{ .Values.endpoint.flight.streamPort }}"
+  {{- else }}
+  value: "{{ ternary "grpc+tls" "grpc" $tls }}://{{ include "shardcache.fullname" . }}-flight.{{ .Release.Namespace }}.svc:{{ .Values.endpoint.flight.port }}"
+  {{- end }}
 - name: SHARDCACHE_REMOTE_TOKEN
   valueFrom: {secretKeyRef: {name: {{ include "shardcache.flightTokenSecretName" . }}, key: token}}
 {{- if .Values.endpoint.flight.tlsSecret }}

@@ -4,6 +4,8 @@
 * ``direct.py``: ``CacheClient``, a Ray process reading its node's store.
 * ``proxy.py``: ``ProxyClient``, the requests both cache-worker transports send.
 * ``unix.py``: ``EndpointClient``, this node's endpoint over a Unix socket.
+* ``stream.py``: ``StreamClient``, another node's cache worker over a TCP (TLS)
+  stream: ``EndpointClient`` with the chunk bytes after each reply frame.
 * ``flight.py``: ``FlightClient``, another node's cache worker over Arrow Flight.
 * ``wire.py``: the endpoint's frames, errors and callables-by-name.
 * ``read_path.py``: ``open_client(config)``, which of them this process uses.

@@ -6,7 +6,8 @@
    :class:`EndpointUnavailable` naming the node and the path; there is no
    fallback to Ray.
 2. Else ``allow_remote`` (``SHARDCACHE_ALLOW_REMOTE``): stream from a cache
-   worker on another node (``flight.py``, Arrow Flight).
+   worker on another node: ``tcp://`` / ``tls://`` URLs over the TCP stream
+   (``stream.py``), ``grpc://`` ones over Arrow Flight (``flight.py``).
 3. Else ``node_name`` (``SHARDCACHE_NODE_NAME``, which the chart's pod
    snippet sets from the downward API) set: :class:`EndpointUnavailable`.
 4. Else the Ray path (``direct.py``): a Ray node, or the embedded defaults.
@@ -27,6 +28,7 @@ from shardcache.config import ClientConfig
 from shardcache.errors import ConfigError
 from shardcache.transport.direct import CacheClient
 from shardcache.transport.flight import FlightClient
+from shardcache.transport.stream import StreamClient, is_stream_url
 from shardcache.transport.unix import EndpointClient, endpoint_unavailable
 from shardcache.transport.wire import DEFAULT_SOCKET
 
@@ -50,8 +52,10 @@ def open_client(config: ClientConfig) -> Any:
         if not config.remote_url:
             raise ConfigError(
                 "allow_remote=True needs the cache workers' streaming address: set "
-                "SHARDCACHE_REMOTE_URL (grpc+tls://<release>-shardcache-flight.<ns>.svc:8815)."
+                "SHARDCACHE_REMOTE_URL (tls://<release>-shardcache-flight.<ns>.svc:8816)."
             )
+        if is_stream_url(config.remote_url):
+            return StreamClient(config)
         return FlightClient(config)
     if path is not None:
         raise endpoint_unavailable(config, path, "no such socket")

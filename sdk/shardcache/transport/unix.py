@@ -46,6 +46,10 @@ class EndpointClient(ProxyClient):
     """Reads through the node-local endpoint at ``socket_path``; one connection
     per thread (the training loop and each prefetch thread), reopened after fork.
 
+    The connection's kind is four hooks (``_connect``, ``_exchange``,
+    ``_view``, ``_release``): the TCP stream to another node's cache worker
+    (``stream.py``) is this client with bytes where this one has descriptors.
+
     Args:
         config: the client settings (namespace, node name for errors).
         socket_path: the endpoint's Unix socket.
@@ -58,21 +62,52 @@ class EndpointClient(ProxyClient):
         self._pid = os.getpid()
         self._dropped = False  # a connection broke: the endpoint may have restarted
 
-    def _conn(self) -> socket.socket:
+    # the connection's kind -----------------------------------------------------------
+    def _connect(self) -> Any:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.config.request_timeout_s)
+        try:
+            sock.connect(self.socket_path)
+        except OSError as exc:
+            sock.close()
+            raise endpoint_unavailable(self.config, self.socket_path, exc) from exc
+        return sock
+
+    def _hello(self) -> dict[str, Any]:
+        return {"op": "hello", "namespace": self.config.namespace}
+
+    def _exchange(
+        self, sock: Any, message: dict[str, Any]
+    ) -> tuple[dict[str, Any], list[Any]]:
+        """One request and its reply with what came attached (descriptors here)."""
+        send_frame(sock, message)
+        return recv_frame(sock)
+
+    def _view(
+        self, attached: Any, what: str
+    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        return _map_fd(attached, what)
+
+    def _release(self, attached: list[Any]) -> None:
+        close_all(attached)
+
+    def _dropped_error(self, exc: Exception) -> EndpointUnavailable:
+        return EndpointUnavailable(
+            f"the cache endpoint at {self.socket_path} on node "
+            f"{self.config.node_name or '?'} dropped the connection ({exc}); "
+            "is the cache worker pod restarting?"
+        )
+
+    # requests -------------------------------------------------------------------------
+    def _conn(self) -> Any:
         if self._pid != os.getpid():
             self._local = threading.local()
             self._pid = os.getpid()
         sock = getattr(self._local, "sock", None)
         if sock is None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self.config.request_timeout_s)
-            try:
-                sock.connect(self.socket_path)
-            except OSError as exc:
-                sock.close()
-                raise endpoint_unavailable(self.config, self.socket_path, exc) from exc
+            sock = self._connect()
             self._local.sock = sock
-            greetings = [{"op": "hello", "namespace": self.config.namespace}]
+            greetings = [self._hello()]
             if self._dropped:
                 # After a dropped connection the endpoint (and store) may have
                 # restarted: hand it the datasets this process reads again,
@@ -83,8 +118,8 @@ class EndpointClient(ProxyClient):
                     for spec, names in list(self._names.values())
                 ]
             for greeting in greetings:
-                reply, fds = self._roundtrip(sock, greeting)
-                close_all(fds)
+                reply, attached = self._roundtrip(sock, greeting)
+                self._release(attached)
                 if reply.get("error"):
                     self._local.sock = None
                     sock.close()
@@ -92,62 +127,60 @@ class EndpointClient(ProxyClient):
         return sock
 
     def _roundtrip(
-        self, sock: socket.socket, message: dict[str, Any]
-    ) -> tuple[dict[str, Any], list[int]]:
+        self, sock: Any, message: dict[str, Any]
+    ) -> tuple[dict[str, Any], list[Any]]:
         try:
-            send_frame(sock, message)
-            return recv_frame(sock)
+            return self._exchange(sock, message)
         except (OSError, EOFError, ValueError) as exc:
             self._local.sock = None
             self._dropped = True
             sock.close()
-            raise EndpointUnavailable(
-                f"the cache endpoint at {self.socket_path} on node "
-                f"{self.config.node_name or '?'} dropped the connection ({exc}); "
-                "is the cache worker pod restarting?"
-            ) from exc
+            raise self._dropped_error(exc) from exc
 
-    def _request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    def _request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
         try:
-            reply, fds = self._roundtrip(self._conn(), message)
+            reply, attached = self._roundtrip(self._conn(), message)
         except EndpointUnavailable:
             if message["op"] == "invalidate":
                 raise  # not idempotent: the caller decides
             # The cache worker pod restarted: one new connection, one retry
             # (every other request is idempotent; usage flushes carry a seq).
-            reply, fds = self._roundtrip(self._conn(), message)
+            reply, attached = self._roundtrip(self._conn(), message)
         if reply.get("error"):
-            close_all(fds)
+            self._release(attached)
             raise_reply_error(reply)
-        return reply, fds
+        return reply, attached
 
     def call(self, op: str, **args: Any) -> Any:
-        reply, fds = self._request({"op": op, **args})
-        close_all(fds)
+        reply, attached = self._request({"op": op, **args})
+        self._release(attached)
         return reply.get("result")
 
     def _chunks(
         self, request: dict[str, Any]
     ) -> list[tuple[str, dict[str, np.ndarray]]]:
-        reply, fds = self._request(request)
+        reply, attached = self._request(request)
         try:
             return [
-                (status, _map_fd(fd, f"chunk {key}")[0])
-                for (key, _, _), status, fd in zip(
-                    request["items"], reply["statuses"], fds, strict=True
+                (self._status(status), self._view(one, f"chunk {key}")[0])
+                for (key, _, _), status, one in zip(
+                    request["items"], reply["statuses"], attached, strict=True
                 )
             ]
         finally:
-            close_all(fds)
+            self._release(attached)
+
+    def _status(self, status: str) -> str:
+        return status
 
     def _manifest_columns(
         self, op: str, **args: Any
     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        _, fds = self._request({"op": op, **args})
+        _, attached = self._request({"op": op, **args})
         try:
-            return _map_fd(fds[0], "manifest")
+            return self._view(attached[0], "manifest")
         finally:
-            close_all(fds)
+            self._release(attached)
 
 
 def _map_fd(fd: int, what: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

@@ -2,8 +2,9 @@
 
 Control travels as length-prefixed JSON frames (4-byte big-endian length,
 then UTF-8 JSON; nothing is unpickled) with chunk files attached as
-read-only descriptors (``SCM_RIGHTS``) on the Unix socket; Arrow Flight
-carries the same JSON. An error travels as ``{"error": {"type", "message"}}``
+read-only descriptors (``SCM_RIGHTS``) on the Unix socket; across nodes
+the TCP stream sends the files' bytes after the frame (``stream.py``), and
+Arrow Flight carries the same JSON. An error travels as ``{"error": {"type", "message"}}``
 and is raised again on the rank as the project's own type. Callables
 travel by importable name (``module:qualname``), checked by fingerprint on
 the worker's side.
@@ -32,7 +33,9 @@ __all__ = [
     "error_reply",
     "load_callable",
     "raise_reply_error",
+    "recv_exact",
     "recv_frame",
+    "recv_plain_frame",
     "send_frame",
 ]
 
@@ -90,6 +93,40 @@ def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
                 raise ValueError(f"frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
             need = _LENGTH.size + length
     return json.loads(bytes(buf[_LENGTH.size :])), fds
+
+
+def recv_plain_frame(sock: socket.socket) -> dict[str, Any]:
+    """Read one frame from a socket that carries no descriptors (TCP, TLS).
+
+    Raises:
+        EOFError: the peer closed the connection.
+        ValueError: the frame is larger than ``MAX_FRAME_BYTES`` or not JSON.
+    """
+    head = bytearray(_LENGTH.size)
+    recv_exact(sock, memoryview(head))
+    (length,) = _LENGTH.unpack(head)
+    if length > MAX_FRAME_BYTES:
+        raise ValueError(f"frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+    body = bytearray(length)
+    recv_exact(sock, memoryview(body))
+    message = json.loads(body)
+    if not isinstance(message, dict):
+        raise ValueError("a frame must hold a JSON object")
+    return message
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock`` (``recv_into``: no intermediate copy).
+
+    Raises:
+        EOFError: the peer closed the connection before ``view`` was full.
+    """
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise EOFError(f"connection closed after {got} of {len(view)} bytes")
+        got += n
 
 
 def close_all(fds: Sequence[int]) -> None:

@@ -2,8 +2,9 @@
 
 ``service.py`` answers requests (the same calls a Ray rank makes), ``shm.py``
 owns the chunk files handed over, and the transports only move replies:
-``unix.py`` (this node's ranks, descriptors over a Unix socket) and
-``flight.py`` (other nodes' ranks, Arrow Flight). ``__main__.py`` runs both:
+``unix.py`` (this node's ranks, descriptors over a Unix socket), and for
+other nodes' ranks ``stream.py`` (the chunk files' bytes over TCP or TLS,
+``sendfile``) and ``flight.py`` (Arrow Flight). ``__main__.py`` runs them:
 ``python -m shardcache_server.endpoint``. The rank's side is
 ``shardcache.transport``.
 """

@@ -26,7 +26,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from shardcache.errors import ConfigError
 from shardcache.transport.base import Status
 from shardcache_server.endpoint.service import Endpoint
 
@@ -173,22 +172,10 @@ def serve_flight(endpoint: Endpoint) -> FlightService:
         ConfigError: no token, or only one of certificate and key.
     """
     s = endpoint.settings
-    if not s.flight_token:
-        raise ConfigError(
-            "flight_port is set but flight_token is not: the streaming port needs "
-            "the chart's token (SHARDCACHE_FLIGHT_TOKEN)."
-        )
-    if bool(s.flight_tls_cert) != bool(s.flight_tls_key):
-        raise ConfigError(
-            "set both SHARDCACHE_FLIGHT_TLS_CERT and SHARDCACHE_FLIGHT_TLS_KEY, or neither."
-        )
+    token, files = s.streaming_credentials("flight_port")
     tls = None
     scheme = "grpc"
-    if s.flight_tls_cert and s.flight_tls_key:
-        tls = [
-            (Path(s.flight_tls_cert).read_bytes(), Path(s.flight_tls_key).read_bytes())
-        ]
+    if files is not None:
+        tls = [(Path(files[0]).read_bytes(), Path(files[1]).read_bytes())]
         scheme = "grpc+tls"
-    return FlightService(
-        endpoint, f"{scheme}://0.0.0.0:{s.flight_port}", s.flight_token, tls
-    )
+    return FlightService(endpoint, f"{scheme}://0.0.0.0:{s.flight_port}", token, tls)

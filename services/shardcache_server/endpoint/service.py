@@ -66,10 +66,12 @@ class EndpointSettings(ServiceSettings):
         ray_address: the Ray node to drive. Defaults to ``"auto"`` (this pod's).
         request_timeout_s: how long one store call may take. Defaults to 300.
         flight_port: Arrow Flight port for other nodes' ranks; ``0`` is off.
-        flight_token: the bearer token Flight callers must send (required
-            when ``flight_port`` is set).
+        stream_port: the TCP stream port for other nodes' ranks (``stream.py``,
+            the faster path); ``0`` is off.
+        flight_token: the token callers of either port must send (required
+            when a port is set).
         flight_tls_cert, flight_tls_key: PEM files; both set serves
-            ``grpc+tls``. Default to ``None`` (plain gRPC).
+            ``grpc+tls`` and TLS on the stream port. Default to ``None``.
     """
 
     endpoint_socket: str = DEFAULT_SOCKET
@@ -80,9 +82,32 @@ class EndpointSettings(ServiceSettings):
     ray_address: str = "auto"
     request_timeout_s: float = Field(default=300.0, gt=0)
     flight_port: int = Field(default=0, ge=0, le=65535)
+    stream_port: int = Field(default=0, ge=0, le=65535)
     flight_token: str | None = Field(default=None, repr=False)
     flight_tls_cert: str | None = None
     flight_tls_key: str | None = None
+
+    def streaming_credentials(self, port: str) -> tuple[str, tuple[str, str] | None]:
+        """The token and the (certificate, key) files, or ``None`` for no TLS,
+        of the ports other nodes' ranks read from (Flight and the TCP stream
+        share them).
+
+        Raises:
+            ConfigError: no token, or only one of certificate and key.
+        """
+        if not self.flight_token:
+            raise ConfigError(
+                f"{port} is set but flight_token is not: the streaming ports need "
+                "the chart's token (SHARDCACHE_FLIGHT_TOKEN)."
+            )
+        if bool(self.flight_tls_cert) != bool(self.flight_tls_key):
+            raise ConfigError(
+                "set both SHARDCACHE_FLIGHT_TLS_CERT and SHARDCACHE_FLIGHT_TLS_KEY, "
+                "or neither."
+            )
+        if self.flight_tls_cert and self.flight_tls_key:
+            return self.flight_token, (self.flight_tls_cert, self.flight_tls_key)
+        return self.flight_token, None
 
 
 class Endpoint:
@@ -244,4 +269,3 @@ class Endpoint:
 
 def _ok(result: Any) -> dict[str, Any]:
     return {"result": result}
-

@@ -1,0 +1,197 @@
+"""Reading across nodes over a plain TCP (or TLS) stream from a cache worker.
+
+``allow_remote=True`` with ``SHARDCACHE_REMOTE_URL=tcp://host:port`` or
+``tls://host:port`` (the chart's ``<release>-shardcache-flight`` Service,
+port ``stream``) reads through another node's cache worker with the
+node-local endpoint's protocol (``wire.py`` frames of JSON): every request
+is one frame, and a reply's chunk files follow its frame as raw bytes, the
+frame listing their sizes. Each chunk is received with ``recv_into`` into
+one 64-byte-aligned buffer of its own (the chunk format's alignment), and
+its columns are views of that buffer: one kernel copy per byte, none in
+Python. A buffer nothing views any more is written again by a later chunk
+(``_Buffers``), so a steady stream faults in no new pages. It replaces Arrow Flight's ``grpc://`` URLs where speed matters:
+on loopback Flight moved 23-48% of a raw socket's GB/s (BENCHMARKS.md).
+
+The first frame of every connection carries the token
+(``SHARDCACHE_REMOTE_TOKEN``); ``tls://`` verifies the server against
+``remote_ca`` (or the system's CAs) and its name. Samples read this way
+count as ``peer``, and the bytes received as ``remote_bytes`` /
+``remote_us`` in ``ds.stats()["served"]``. No Ray, no pyarrow.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import sys
+import threading
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from shardcache.chunk_file import read_chunk_buffer
+from shardcache.config import ClientConfig
+from shardcache.errors import ConfigError, EndpointUnavailable
+from shardcache.transport.base import Status
+from shardcache.transport.unix import EndpointClient
+from shardcache.transport.wire import recv_exact, recv_plain_frame, send_frame
+
+__all__ = ["StreamClient", "is_stream_url"]
+
+_ALIGN_BYTES = 64  # chunk columns are 64-byte aligned relative to the file start
+KEPT_BUFFERS = 4  # receive buffers a process keeps for reuse (16 MiB each by default)
+
+
+def is_stream_url(url: str) -> bool:
+    """Whether ``url`` names the TCP stream (``tcp://``, ``tls://``) rather than Flight."""
+    return url.startswith(("tcp://", "tls://"))
+
+
+class StreamClient(EndpointClient):
+    """A rank's client of a remote cache worker's stream port; one connection
+    per thread, reopened after fork and after a dropped connection.
+
+    Args:
+        config: ``remote_url``, ``remote_token`` and ``remote_ca`` are used.
+
+    Raises:
+        ConfigError: the URL is not ``tcp://host:port`` or ``tls://host:port``,
+            or ``remote_ca`` cannot be read.
+    """
+
+    remote = True
+
+    def __init__(self, config: ClientConfig):
+        url = str(config.remote_url)
+        parts = urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if not is_stream_url(url) or not parts.hostname or not port:
+            raise ConfigError(
+                f"remote_url must be tcp://host:port or tls://host:port (or a grpc:// "
+                f"Flight URL), got {url!r}. Set SHARDCACHE_REMOTE_URL."
+            )
+        super().__init__(config, url)
+        self.url = url
+        self.host, self.port = parts.hostname, port
+        self._tls: ssl.SSLContext | None = None
+        if parts.scheme == "tls":
+            try:
+                self._tls = ssl.create_default_context(cafile=config.remote_ca)
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError(
+                    f"remote_ca {config.remote_ca!r} cannot be read: {exc}. Mount the "
+                    "chart's streaming CA Secret and set SHARDCACHE_REMOTE_CA to it."
+                ) from exc
+        self.received_bytes = 0
+        self.received_s = 0.0
+        self._buffers = _Buffers()
+
+    def _unavailable(self, cause: object) -> EndpointUnavailable:
+        return EndpointUnavailable(
+            f"cannot stream from the remote cache worker at {self.url} (this pod is on "
+            f"node {self.config.node_name or '?'}): {cause}. Check SHARDCACHE_REMOTE_URL, "
+            "the CA (SHARDCACHE_REMOTE_CA) and the chart's NetworkPolicy for the "
+            "streaming port."
+        )
+
+    def _connect(self) -> Any:
+        try:
+            raw = socket.create_connection(
+                (self.host, self.port), timeout=self.config.request_timeout_s
+            )
+        except OSError as exc:
+            raise self._unavailable(exc) from exc
+        # Request frames are small and each waits for its answer.
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._tls is None:
+            return raw
+        try:
+            return self._tls.wrap_socket(raw, server_hostname=self.host)
+        except (OSError, ssl.SSLError) as exc:
+            raw.close()
+            raise self._unavailable(exc) from exc
+
+    def _hello(self) -> dict[str, Any]:
+        return {**super()._hello(), "token": self.config.remote_token or ""}
+
+    def _exchange(
+        self, sock: Any, message: dict[str, Any]
+    ) -> tuple[dict[str, Any], list[Any]]:
+        started = time.perf_counter()
+        send_frame(sock, message)
+        reply = recv_plain_frame(sock)
+        buffers = []
+        for size in reply.pop("sizes", []):
+            buf = self._buffers.take(int(size))
+            recv_exact(sock, memoryview(buf))
+            buffers.append(buf)
+        if buffers:
+            self.received_s += time.perf_counter() - started
+            self.received_bytes += sum(b.nbytes for b in buffers)
+        return reply, buffers
+
+    def _view(
+        self, attached: Any, what: str
+    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        return read_chunk_buffer(attached, what)
+
+    def _release(self, attached: list[Any]) -> None:
+        pass  # buffers: the columns viewing them keep them alive
+
+    def _dropped_error(self, exc: Exception) -> EndpointUnavailable:
+        return self._unavailable(f"the connection dropped ({exc})")
+
+    def _status(self, status: str) -> str:
+        # A hit on another node's store (its memory or its disk tier) is a
+        # peer hit for this rank.
+        if status in (Status.HIT, Status.DISK_READ):
+            return Status.REMOTE_HIT
+        return Status(status)
+
+
+class _Buffers:
+    """64-byte-aligned receive buffers, reused once nothing views them.
+
+    A fresh 16 MiB buffer is ~4,000 page faults and the zeroing of each page:
+    the stream received a chunk at 2.24 GB/s into new buffers and 2.66 GB/s
+    into reused ones (bench/endpoint.py, BENCHMARKS.md). A chunk's columns,
+    its samples and any tensor made from them all keep a reference to the
+    buffer they view, so a buffer whose only references are this pool's is
+    free to be written again; one still viewed is never touched.
+
+    Args:
+        kept: buffers kept for reuse; at most this many chunks' bytes stay
+            allocated beyond what the reader holds.
+    """
+
+    def __init__(self, kept: int = KEPT_BUFFERS):
+        self.kept = kept
+        self._raw: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> np.ndarray:
+        """An aligned ``size``-byte array: a free kept buffer of about that size, else a new one."""
+        need = size + _ALIGN_BYTES
+        with self._lock:
+            for i in range(len(self._raw)):
+                raw = self._raw[i]
+                # References: this list, ``raw``, getrefcount's argument.
+                if need <= raw.nbytes <= 2 * need and sys.getrefcount(raw) == 3:
+                    del self._raw[i]  # by position: == on arrays compares values
+                    self._raw.append(raw)  # most recently used last
+                    return _aligned_view(raw, size)
+            raw = np.empty(need, dtype=np.uint8)
+            self._raw.append(raw)
+            if len(self._raw) > self.kept:
+                del self._raw[0]  # dropped from the pool; its views keep it alive
+            return _aligned_view(raw, size)
+
+
+def _aligned_view(raw: np.ndarray, size: int) -> np.ndarray:
+    start = -raw.ctypes.data % _ALIGN_BYTES
+    return raw[start : start + size]
