@@ -20,6 +20,7 @@ is ``shardcache.transport.stream``.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
 import os
@@ -97,7 +98,7 @@ def _send(sock: Any, reply: dict[str, Any], files: Files) -> None:
 class _StreamServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
     daemon_threads = True
     allow_reuse_address = True
-    address_family = socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET
+    address_family = socket.AF_INET6
 
     def __init__(
         self,
@@ -130,4 +131,14 @@ def serve_stream(endpoint: Endpoint) -> _StreamServer:
     if files is not None:
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         tls.load_cert_chain(*files)
-    return _StreamServer(s.stream_port, endpoint, token, tls)
+    try:
+        return _StreamServer(s.stream_port, endpoint, token, tls)
+    except OSError as exc:
+        if exc.errno != errno.EAFNOSUPPORT:
+            raise
+        # a kernel without IPv6 (ipv6.disable=1): IPv4 only
+        return _StreamServerV4(s.stream_port, endpoint, token, tls)
+
+
+class _StreamServerV4(_StreamServer):
+    address_family = socket.AF_INET
