@@ -3,7 +3,7 @@ network) namespace that has no Ray session directory and no route to Redis or
 S3; the only way to the cache is the node-local endpoint's socket (or, for
 ``remote``, the Flight port). Writes its findings as JSON under the hostPath.
 
-Usage: python endpoint_job.py ranks|remote|nomount|restart CONFIG_JSON
+Usage: python endpoint_job.py ranks|remote|remote-workers|nomount|restart CONFIG_JSON
 """
 
 from __future__ import annotations
@@ -120,6 +120,28 @@ def _one_rank(cfg: dict, **kwargs):
     )
 
 
+def _as_list(batch: list) -> list:
+    return batch  # the samples differ in size: no stacking
+
+
+def _through_workers(ds, cfg: dict) -> int:
+    """One epoch through ``DataLoader(num_workers=2)`` (forked workers, each
+    with its own connection); the samples that differ from the source."""
+    from torch.utils.data import DataLoader
+
+    order = list(ds.sampler)
+    loader = DataLoader(
+        ds, batch_size=4, sampler=ds.sampler, num_workers=2, collate_fn=_as_list
+    )
+    got = [t for batch in loader for t in batch]
+    assert len(got) == len(order), (len(got), len(order))
+    bad = 0
+    for i, t in zip(order, got, strict=True):
+        url = ds.manifest.url(i)
+        bad += bytes(t.numpy()) != _expected(url, url == cfg.get("changed_url"))
+    return bad
+
+
 def _across_restart(cfg: dict) -> dict:
     """One epoch, then wait while the test restarts the cache worker, then one
     more epoch through the new one."""
@@ -145,7 +167,7 @@ def main() -> None:
         mp.spawn(_rank, args=(cfg,), nprocs=2, join=True)
         return
     try:
-        ds = _one_rank(cfg, allow_remote=mode == "remote")
+        ds = _one_rank(cfg, allow_remote=mode.startswith("remote"))
     except Exception as exc:  # reported to the test, which checks the type
         print(
             json.dumps(
@@ -159,6 +181,8 @@ def main() -> None:
         return
     ds.set_epoch(0)
     bad = 0
+    if mode == "remote-workers":
+        bad += _through_workers(ds, cfg)
     for i in range(len(ds)):
         url = ds.manifest.url(i)
         bad += bytes(ds[i].numpy()) != _expected(url, url == cfg.get("changed_url"))

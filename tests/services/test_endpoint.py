@@ -335,12 +335,18 @@ def test_endpoint_allow_remote_streams_from_another_nodes_worker_over_tcp_and_fl
     assert json.loads(refused.stdout.strip().splitlines()[-1])["error"] == (
         "EndpointUnavailable"
     ), refused.stderr[-3000:]
-    # Cold and warm over the TCP stream (the chart's default), then warm over
-    # Flight: the same cache, the same counts.
-    for run, (origin, run_env) in enumerate(
-        (("source", env), ("peer", env), ("peer", flight_env))
+    # Cold and warm over the TCP stream (the chart's default), warm again
+    # through DataLoader workers (a connection each), then warm over Flight:
+    # the same cache, the same counts.
+    for run, (mode, origin, run_env) in enumerate(
+        (
+            ("remote", "source", env),
+            ("remote", "peer", env),
+            ("remote-workers", "peer", env),
+            ("remote", "peer", flight_env),
+        )
     ):
-        done = _run(_pod("endpoint_job.py", "remote", json.dumps(cfg), hostpath=ca_dir,
+        done = _run(_pod("endpoint_job.py", mode, json.dumps(cfg), hostpath=ca_dir,
                          own_net=False, env=run_env))  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         result = json.loads(done.stdout.strip().splitlines()[-1])
