@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ from shardcache.processes import (
 
 __all__ = [
     "HEAD_MARKER",
+    "head_environment",
     "head_processes",
     "join_local_head",
     "ray_temp_dir",
@@ -66,7 +68,11 @@ LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps to 127.0.0.1
 RAY_START_TIMEOUT_S = 120.0
 RAY_TEMP_DIR_MAX_CHARS = 40  # session and socket names add ~65 of Ray's 107 bytes
 PROBE_TIMEOUT_S = 0.5  # a TCP connect to our own loopback GCS
-HEAD_FORMAT = 2  # ray.json's "format": 2 = token auth with our token, loopback
+# ray.json's "format": 2 = token auth with our token, loopback; 3 = started
+# without the launching job's variables (head_environment). A head of an
+# older format is replaced by the next script, not joined: a format-2 head
+# a torchrun job started keeps that job's TORCHELASTIC_* for good.
+HEAD_FORMAT = 3
 
 
 def ray_temp_dir(home: Path) -> Path:
@@ -163,6 +169,41 @@ def running_head(home: Path) -> str | None:
         return None
 
 
+# What the process that starts the head got from its own launcher, which the
+# head must not keep: the head, its raylet and every worker and store actor it
+# starts inherit this environment and outlive the job. torchrun's variables
+# are the dangerous ones: a Ray Train worker that sees
+# TORCHELASTIC_USE_AGENT_STORE=True assumes an agent hosts its rendezvous
+# store, never starts one, and every later TorchTrainer hangs in
+# init_process_group; RANK / WORLD_SIZE / MASTER_* would be another job's.
+_JOB_VARIABLES = frozenset(
+    {
+        "RAY_ADDRESS",  # some other cluster's
+        "RAY_AUTH_TOKEN",  # would win over our token file: some other cluster's
+        "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME",
+        "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
+        "MASTER_ADDR", "MASTER_PORT", "PYTHON_EXEC",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    }
+)  # fmt: skip
+_JOB_PREFIXES = ("TORCHELASTIC_",)
+
+
+def head_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment ``ray start --head`` gets: the caller's, less what
+    belongs to the job that happens to start it (``_JOB_VARIABLES``). Under
+    torchrun, also its ``OMP_NUM_THREADS=1`` (torchrun sets it for its
+    ranks; the head's build workers are not ranks)."""
+    launched_by_torchrun = "TORCHELASTIC_RUN_ID" in environ
+    return {
+        k: v
+        for k, v in environ.items()
+        if k not in _JOB_VARIABLES
+        and not k.startswith(_JOB_PREFIXES)
+        and not (launched_by_torchrun and k == "OMP_NUM_THREADS")
+    }
+
+
 def start_head(home: Path) -> str:
     """``ray start --head`` on loopback with our token and marker; returns its
     address and records it in ``ray.json``. Leftovers of an earlier head under
@@ -173,12 +214,7 @@ def start_head(home: Path) -> str:
     """
     temp_dir = ray_temp_dir(home)
     terminate(head_processes(home))
-    # RAY_AUTH_TOKEN would win over our token file: it is some other cluster's.
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")
-    }
+    env = head_environment(os.environ)
     env.update(_auth_env(home))
     env.update({
         LOCAL_ONLY: "0",

@@ -21,6 +21,16 @@ def test_local_stop_stops_only_the_ray_head_and_redis_shardcache_started(
 ):
     monkeypatch.setenv("SHARDCACHE_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Started from a torchrun rank, as the README's first script is: the head
+    # outlives that job and must not keep its variables (a later Ray Train
+    # worker seeing TORCHELASTIC_USE_AGENT_STORE=True never starts its store).
+    torchrun_env = {
+        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "none",
+        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29511", "OMP_NUM_THREADS": "1",
+    }  # fmt: skip
+    for k, v in {**torchrun_env, "SC_USER_SETTING": "kept"}.items():
+        monkeypatch.setenv(k, v)
     # Someone else's Ray head on the same machine (a temp dir of its own).
     foreign = Path(f"/tmp/sc-foreign-{uuid.uuid4().hex[:8]}")
     ray_bin = Path(sys.executable).parent / "ray"
@@ -37,6 +47,14 @@ def test_local_stop_stops_only_the_ray_head_and_redis_shardcache_started(
         ours = local_ray.head_processes(home)
         theirs = processes.processes_naming(str(foreign))
         assert address and ours and theirs and not set(ours) & set(theirs)
+        (raylet,) = [p for p in ours if processes.cmdline(p).split(" ")[0].endswith("raylet")]
+        head_env = dict(
+            item.split("=", 1)
+            for item in Path(f"/proc/{raylet}/environ").read_text().split("\0")
+            if "=" in item
+        )
+        assert not set(torchrun_env) & set(head_env), set(torchrun_env) & set(head_env)
+        assert head_env["SC_USER_SETTING"] == "kept"
         # A long state dir gets a short Ray temp dir (socket paths fit 107 bytes)
         # inside a private directory (Ray makes the temp dir itself 0777).
         temp_dir = local_ray.ray_temp_dir(home)
