@@ -367,6 +367,9 @@ def _read_chunk(plan: _ReadPlan, generation: int, c: int, share: int) -> list[An
     chunk = Chunk(columns)
     rows = _good_rows(chunk, plan, c)
     reporter = _reporter(plan, share, client)
+    # The job's record (`shardcache stats --job`, the dashboard's Jobs table):
+    # what this block was read from, as a rank records it.
+    reporter.reading(plan.digest, generation)
     _count(reporter, status, chunk, rows, item[2])
     reporter.flush()  # one round trip per chunk: the epoch's numbers are whole at its end
     return [_to_block(chunk, rows)]

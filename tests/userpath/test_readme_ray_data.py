@@ -75,4 +75,9 @@ def test_readme_ray_data_runs_as_written_and_a_second_run_reads_no_object(
     assert len(jobs) == 3  # the quick start and two Ray Data runs: three jobs
     assert sorted(t.samples_source for t in jobs.values()) == [0, 0, IMAGES]
     assert all(t.samples >= 3 * IMAGES for t in jobs.values())  # 3 epochs each
+    # Every job's record names the listing and generation it read, the Ray
+    # Data jobs' as the torchrun job's (the README: "for every job").
+    reads = usage.job_reads(default_name(f"s3://{BUCKET}/train/"), list(jobs))
+    assert len({r.listing for r in reads.values()}) == 1, reads
+    assert all(r.listing and r.generation for r in reads.values()), reads
     s3fs_client.rm(BUCKET, recursive=True)
