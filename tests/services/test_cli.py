@@ -165,3 +165,30 @@ def test_ls_names_memory_and_disk_per_node():
     assert _per_node(stores, "bytes_by_dataset", "d") == "aaaaaaaa: 1.0"
     assert _per_node(stores, "disk_bytes_by_dataset", "d") == "bbbbbbbb: 3.0"
     assert _per_node(stores, "disk_bytes_by_dataset", "other") == "-"
+
+
+def test_cli_tables_wider_than_the_terminal_are_printed_whole(monkeypatch):
+    """Rich fits a table to 80 columns by cutting cells ("sour…", "2…"); a
+    figure cut that way is a figure the user cannot read."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from shardcache_server.cli import options
+
+    out = io.StringIO()
+    monkeypatch.setattr(options, "console", Console(file=out, width=80))
+    cells = ["s3-my-bucket-train-5f2a9c1e", "torchrun-none-1732671234-ab12",
+             "2700", "66.7%", "1800", "0", "900", "1800", "0.12", "source-bytes"]  # fmt: skip
+    table = Table(*[f"column {i}" for i in range(len(cells))])
+    table.add_row(*cells)
+    options.print_table(table)
+    text = out.getvalue()
+    assert "…" not in text and all(cell in text for cell in cells), text
+    out.seek(0)
+    out.truncate(0)
+    narrow = Table("dataset", "samples")
+    narrow.add_row("d", "12")
+    options.print_table(narrow)
+    assert max(map(len, out.getvalue().splitlines())) <= 80

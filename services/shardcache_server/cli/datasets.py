@@ -15,6 +15,7 @@ from shardcache_server.cli.options import (
     console,
     err_console,
     friendly_errors,
+    print_table,
     require_dataset,
     running_index,
 )
@@ -137,12 +138,12 @@ def stats(
                 str(s.errors),
                 str(s.evictions),
             )
-    console.print(served)
+    print_table(served)
     for line in read:
         console.print(f"read: {line}", soft_wrap=True)
     for line in lost:
         console.print(f"[yellow]lost:[/] {line}")
-    console.print(store)
+    print_table(store)
 
 
 def invalidate(
@@ -190,7 +191,7 @@ def list_datasets(redis_url: str = RedisOpt, namespace: str = NamespaceOpt) -> N
                 _per_node(stores, "bytes_by_dataset", ds),
                 _per_node(stores, "disk_bytes_by_dataset", ds),
             )
-    console.print(table)
+    print_table(table)
 
 
 def _per_node(stores: dict[str, dict[str, Any]], field: str, ds: str) -> str:

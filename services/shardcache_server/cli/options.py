@@ -9,6 +9,8 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
 
 from shardcache.errors import ShardCacheError
 
@@ -18,12 +20,31 @@ __all__ = [
     "console",
     "err_console",
     "friendly_errors",
+    "print_table",
     "require_dataset",
     "running_index",
 ]
 
 console = Console()
 err_console = Console(stderr=True)
+_UNBOUNDED = 10_000  # columns: wide enough to measure any table's natural width
+
+
+def print_table(table: Table) -> None:
+    """Print ``table`` whole. Rich fits a table to the terminal by cutting
+    its cells ("sour…", "2…"), which would hide the figures; a table wider
+    than the terminal is printed at its own width instead, and the terminal
+    wraps its lines."""
+    need = Measurement.get(console, console.options.update_width(_UNBOUNDED), table)
+    if need.maximum <= console.width:
+        console.print(table)
+        return
+    Console(
+        width=need.maximum,
+        file=console.file,
+        color_system=console.color_system,
+        force_terminal=console.is_terminal,
+    ).print(table)
 
 RedisOpt = typer.Option(
     None,
