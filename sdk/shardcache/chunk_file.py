@@ -30,7 +30,9 @@ import numpy as np
 from shardcache.errors import ChunkFileError
 
 __all__ = [
+    "ALIGN_BYTES",
     "MAGIC",
+    "aligned_empty",
     "read_chunk_buffer",
     "read_chunk_file",
     "will_need",
@@ -38,12 +40,23 @@ __all__ = [
 ]
 
 MAGIC = b"SHCHUNK1"
-_ALIGN_BYTES = 64  # cache-line alignment of every column
+ALIGN_BYTES = 64  # cache-line alignment of every column, relative to the file start
 _KINDS = "biuf"  # bool, signed, unsigned, float: nothing that needs pickle
 
 
 def _aligned(n: int) -> int:
-    return -(-n // _ALIGN_BYTES) * _ALIGN_BYTES
+    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def aligned_empty(size: int, raw: np.ndarray | None = None) -> np.ndarray:
+    """``size`` bytes starting on an ``ALIGN_BYTES`` boundary, for a chunk's
+    bytes received from a socket (its columns are aligned relative to the
+    start): a view of ``raw`` (at least ``size + ALIGN_BYTES`` bytes), or of
+    a new array."""
+    if raw is None:
+        raw = np.empty(size + ALIGN_BYTES, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN_BYTES
+    return raw[start : start + size]
 
 
 def _header(columns: dict[str, np.ndarray], meta: dict[str, Any]) -> bytes:

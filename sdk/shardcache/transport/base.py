@@ -66,6 +66,17 @@ class Status(enum.StrEnum):
             return "disk"
         return "peer" if self is Status.REMOTE_HIT else "local"
 
+    def across_nodes(self) -> Status:
+        """This answer as a rank on another node counts it: a hit on the
+        answering store (its memory or its disk tier) is a peer hit there.
+
+        >>> Status.HIT.across_nodes(), Status.FETCHED.across_nodes()
+        (<Status.REMOTE_HIT: 'remote-hit'>, <Status.FETCHED: 'fetched'>)
+        """
+        if self in (Status.HIT, Status.DISK_READ):
+            return Status.REMOTE_HIT
+        return self
+
 
 @runtime_checkable
 class Transport(Protocol):

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from shardcache.chunk_file import read_chunk_buffer
+from shardcache.chunk_file import ALIGN_BYTES, aligned_empty, read_chunk_buffer
 from shardcache.config import ClientConfig
 from shardcache.errors import ConfigError, EndpointUnavailable
 from shardcache.transport.base import Status
@@ -34,7 +34,6 @@ from shardcache.transport.wire import raise_reply_error
 
 __all__ = ["FlightClient"]
 
-_ALIGN_BYTES = 64  # chunk columns are 64-byte aligned relative to the file start
 
 
 class FlightClient(ProxyClient):
@@ -140,14 +139,7 @@ class FlightClient(ProxyClient):
         for status, data in zip(
             table.column("status").to_pylist(), _buffers(table), strict=True
         ):
-            # A hit on another node's store (in its memory or read from its
-            # disk tier) is a peer hit for this rank.
-            status = (
-                Status.REMOTE_HIT
-                if status in (Status.HIT, Status.DISK_READ)
-                else Status(status)
-            )
-            out.append((status, _columns(data)))
+            out.append((Status(status).across_nodes(), _columns(data)))
         return out
 
     def _manifest_columns(
@@ -173,11 +165,9 @@ def _buffers(table: Any) -> list[Any]:
 def _aligned(buf: Any) -> Any:
     """``buf`` itself when 64-byte aligned, else one aligned copy (the columns
     inside are aligned relative to the start)."""
-    if buf.address % _ALIGN_BYTES == 0:
+    if buf.address % ALIGN_BYTES == 0:
         return buf
-    raw = np.empty(buf.size + _ALIGN_BYTES, dtype=np.uint8)
-    start = -raw.ctypes.data % _ALIGN_BYTES
-    out = raw[start : start + buf.size]
+    out = aligned_empty(buf.size)
     out[:] = np.frombuffer(buf, dtype=np.uint8)
     return out
 

@@ -9,8 +9,10 @@ frame listing their sizes. Each chunk is received with ``recv_into`` into
 one 64-byte-aligned buffer of its own (the chunk format's alignment), and
 its columns are views of that buffer: one kernel copy per byte, none in
 Python. A buffer nothing views any more is written again by a later chunk
-(``_Buffers``), so a steady stream faults in no new pages. It replaces Arrow Flight's ``grpc://`` URLs where speed matters:
-on loopback Flight moved 23-48% of a raw socket's GB/s (BENCHMARKS.md).
+(``_Buffers``), so a steady stream faults in no new pages. It replaces Arrow
+Flight's ``grpc://`` URLs where speed matters: per chunk of 1-16 MiB it
+moves 57-83% of a raw loopback socket's GB/s, Flight 25-36%
+(``bench/flight_cost.py``, BENCHMARKS.md).
 
 The first frame of every connection carries the token
 (``SHARDCACHE_REMOTE_TOKEN``); ``tls://`` verifies the server against
@@ -31,7 +33,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from shardcache.chunk_file import read_chunk_buffer
+from shardcache.chunk_file import ALIGN_BYTES, aligned_empty, read_chunk_buffer
 from shardcache.config import ClientConfig
 from shardcache.errors import ConfigError, EndpointUnavailable
 from shardcache.transport.base import Status
@@ -40,7 +42,6 @@ from shardcache.transport.wire import recv_exact, recv_plain_frame, send_frame
 
 __all__ = ["StreamClient", "is_stream_url"]
 
-_ALIGN_BYTES = 64  # chunk columns are 64-byte aligned relative to the file start
 KEPT_BUFFERS = 4  # receive buffers a process keeps for reuse (16 MiB each by default)
 
 
@@ -147,19 +148,16 @@ class StreamClient(EndpointClient):
         return self._unavailable(f"the connection dropped ({exc})")
 
     def _status(self, status: str) -> str:
-        # A hit on another node's store (its memory or its disk tier) is a
-        # peer hit for this rank.
-        if status in (Status.HIT, Status.DISK_READ):
-            return Status.REMOTE_HIT
-        return Status(status)
+        return Status(status).across_nodes()
 
 
 class _Buffers:
     """64-byte-aligned receive buffers, reused once nothing views them.
 
-    A fresh 16 MiB buffer is ~4,000 page faults and the zeroing of each page:
-    the stream received a chunk at 2.24 GB/s into new buffers and 2.66 GB/s
-    into reused ones (bench/endpoint.py, BENCHMARKS.md). A chunk's columns,
+    A fresh buffer is a page fault and the zeroing of each page: the stream
+    received 1 MiB chunks at 1.66 GB/s into new buffers and 2.17 GB/s into
+    reused ones, 4 MiB chunks at 2.80 and 3.16 (bench/flight_cost.py,
+    BENCHMARKS.md). A chunk's columns,
     its samples and any tensor made from them all keep a reference to the
     buffer they view, so a buffer whose only references are this pool's is
     free to be written again; one still viewed is never touched.
@@ -176,7 +174,7 @@ class _Buffers:
 
     def take(self, size: int) -> np.ndarray:
         """An aligned ``size``-byte array: a free kept buffer of about that size, else a new one."""
-        need = size + _ALIGN_BYTES
+        need = size + ALIGN_BYTES
         with self._lock:
             for i in range(len(self._raw)):
                 raw = self._raw[i]
@@ -184,14 +182,10 @@ class _Buffers:
                 if need <= raw.nbytes <= 2 * need and sys.getrefcount(raw) == 3:
                     del self._raw[i]  # by position: == on arrays compares values
                     self._raw.append(raw)  # most recently used last
-                    return _aligned_view(raw, size)
+                    return aligned_empty(size, raw)
             raw = np.empty(need, dtype=np.uint8)
             self._raw.append(raw)
             if len(self._raw) > self.kept:
                 del self._raw[0]  # dropped from the pool; its views keep it alive
-            return _aligned_view(raw, size)
+            return aligned_empty(size, raw)
 
-
-def _aligned_view(raw: np.ndarray, size: int) -> np.ndarray:
-    start = -raw.ctypes.data % _ALIGN_BYTES
-    return raw[start : start + size]
