@@ -15,8 +15,11 @@ what :meth:`Endpoint.handle` returns; ``shm.py`` owns the chunk files.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +43,7 @@ from shardcache.usage import APPLY_SCRIPT
 from shardcache_server.endpoint.shm import ShmFiles
 from shardcache_server.settings import ServiceSettings
 
-__all__ = ["Endpoint", "EndpointSettings", "Files"]
+__all__ = ["Endpoint", "EndpointSettings", "Files", "opened"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,27 @@ DEFAULT_SHM_BYTES = 4 * 2**30  # chunk files kept for the node's ranks
 _USAGE_SHA = hashlib.sha1(APPLY_SCRIPT.encode()).hexdigest()
 
 Files = list[tuple[Path, bool]]  # (chunk file, unlink once handed over)
+
+
+@contextlib.contextmanager
+def opened(files: Files) -> Iterator[list[int]]:
+    """Read-only descriptors of a reply's files, closed on exit. A file
+    handed over once is unlinked as soon as it is open: the descriptor keeps
+    its pages while the transport sends it (``unix.py``, ``stream.py``).
+
+    Raises:
+        OSError: a file is gone (the files' budget evicted it meanwhile).
+    """
+    fds: list[int] = []
+    try:
+        for path, unlink in files:
+            fds.append(os.open(path, os.O_RDONLY))
+            if unlink:
+                path.unlink(missing_ok=True)
+        yield fds
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 class EndpointSettings(ServiceSettings):

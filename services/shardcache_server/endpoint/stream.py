@@ -31,7 +31,7 @@ from typing import Any
 
 from shardcache.errors import ConfigError
 from shardcache.transport.wire import error_reply, recv_plain_frame, send_frame
-from shardcache_server.endpoint.service import Endpoint, Files
+from shardcache_server.endpoint.service import Endpoint, Files, opened
 
 __all__ = ["serve_stream"]
 
@@ -78,21 +78,14 @@ class _Handler(socketserver.BaseRequestHandler):
 
 def _send(sock: Any, reply: dict[str, Any], files: Files) -> None:
     """The reply frame with the files' sizes, then each file's bytes."""
-    opened = []
-    try:
-        for path, unlink in files:
-            opened.append(open(path, "rb"))  # noqa: SIM115 (closed below)
-            if unlink:  # handed over once: the open file keeps its pages
-                path.unlink(missing_ok=True)
-        sizes = [os.fstat(f.fileno()).st_size for f in opened]
+    with opened(files) as fds:
+        sizes = [os.fstat(fd).st_size for fd in fds]
         send_frame(sock, {**reply, "sizes": sizes})
-        for f, size in zip(opened, sizes, strict=True):
+        for fd, size in zip(fds, sizes, strict=True):
             # A plain socket sends from the page cache (sendfile); a TLS one
             # falls back to reading the file through a buffer.
-            sock.sendfile(f, 0, size)
-    finally:
-        for f in opened:
-            f.close()
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                sock.sendfile(f, 0, size)
 
 
 class _StreamServer(socketserver.ThreadingMixIn, socketserver.TCPServer):

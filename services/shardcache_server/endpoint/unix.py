@@ -12,7 +12,7 @@ import socketserver
 from pathlib import Path
 
 from shardcache.transport.wire import recv_frame, send_frame
-from shardcache_server.endpoint.service import Endpoint
+from shardcache_server.endpoint.service import Endpoint, opened
 
 __all__ = ["serve_unix"]
 
@@ -30,18 +30,11 @@ class _Handler(socketserver.BaseRequestHandler):
             for fd in fds:  # ranks send none; never keep what a peer pushed
                 os.close(fd)
             reply, files = self.server.endpoint.handle(message)
-            opened = []
             try:
-                for path, unlink in files:
-                    opened.append(os.open(path, os.O_RDONLY))
-                    if unlink:
-                        path.unlink(missing_ok=True)
-                send_frame(sock, reply, opened)
+                with opened(files) as fds:
+                    send_frame(sock, reply, fds)
             except OSError:
                 return
-            finally:
-                for fd in opened:
-                    os.close(fd)
 
 
 class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
