@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from shardcache import batch_rows, errors
+from shardcache.buffers import BATCH_BUFFERS
 from shardcache.chunks import PLAIN_FIELD, Chunk, batch_shape, gather
 
 __all__ = [
@@ -64,7 +65,8 @@ def collate(
     """One batch as tensors: ``(B, ...)``, a dict of them, plus targets if any."""
     in_batch = [chunks[c] for c in chunk_ids.tolist()]
     row_list = rows.tolist()
-    raise_failed(in_batch, row_list, indices, url_of)
+    if any(chunk.has_failures for chunk in chunks.values()):
+        raise_failed(in_batch, row_list, indices, url_of)
     first = in_batch[0]
     out = {f: _gather_field(in_batch, row_list, f, pin_memory) for f in first.fields}
     x = out[PLAIN_FIELD] if first.is_plain else out
@@ -137,15 +139,18 @@ def sample(chunk: Chunk, row: int, index: int, url_of: Callable[[int], str]) -> 
 def _gather_field(
     in_batch: list[Chunk], rows: list[int], field: str, pin_memory: bool
 ) -> torch.Tensor:
-    shape = batch_shape(in_batch, rows, field)
-    probe = in_batch[0].field(field, rows[0])
-    out = torch.empty(
-        (len(rows), *shape),
-        dtype=torch.from_numpy(np.empty(0, dtype=probe.dtype)).dtype,
-        pin_memory=pin_memory,
-    )
-    gather(in_batch, rows, field, out.numpy())
-    return out
+    shape = (len(rows), *batch_shape(in_batch, rows, field))
+    dtype = in_batch[0].field(field, rows[0]).dtype
+    if pin_memory:
+        torch_dtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+        pinned = torch.empty(shape, dtype=torch_dtype, pin_memory=True)
+        gather(in_batch, rows, field, pinned.numpy())
+        return pinned
+    # A batch's pages written again instead of faulted in and zeroed: only
+    # once nothing (a step, a kept sample) views the buffer (buffers.py).
+    out = BATCH_BUFFERS.take_array(shape, dtype)
+    gather(in_batch, rows, field, out)
+    return torch.from_numpy(out)
 
 
 def raise_failed(

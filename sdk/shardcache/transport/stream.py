@@ -9,7 +9,7 @@ frame listing their sizes. Each chunk is received with ``recv_into`` into
 one 64-byte-aligned buffer of its own (the chunk format's alignment), and
 its columns are views of that buffer: one kernel copy per byte, none in
 Python. A buffer nothing views any more is written again by a later chunk
-(``_Buffers``), so a steady stream faults in no new pages. It replaces Arrow
+(``buffers.ReusedBuffers``), so a steady stream faults in no new pages. It replaces Arrow
 Flight's ``grpc://`` URLs where speed matters: per chunk of 1-16 MiB it
 moves 57-83% of a raw loopback socket's GB/s, Flight 25-36%
 (``bench/flight_cost.py``, BENCHMARKS.md).
@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import socket
 import ssl
-import sys
-import threading
 import time
 from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
 
-from shardcache.chunk_file import ALIGN_BYTES, aligned_empty, read_chunk_buffer
+from shardcache.buffers import ReusedBuffers
+from shardcache.chunk_file import read_chunk_buffer
 from shardcache.config import ClientConfig
 from shardcache.errors import ConfigError, EndpointUnavailable
 from shardcache.transport.base import Status
@@ -90,7 +89,7 @@ class StreamClient(EndpointClient):
                 ) from exc
         self.received_bytes = 0
         self.received_s = 0.0
-        self._buffers = _Buffers()
+        self._buffers = ReusedBuffers(KEPT_BUFFERS)
 
     def _unavailable(self, cause: object) -> EndpointUnavailable:
         return EndpointUnavailable(
@@ -149,43 +148,3 @@ class StreamClient(EndpointClient):
 
     def _status(self, status: str) -> str:
         return Status(status).across_nodes()
-
-
-class _Buffers:
-    """64-byte-aligned receive buffers, reused once nothing views them.
-
-    A fresh buffer is a page fault and the zeroing of each page: the stream
-    received 1 MiB chunks at 1.66 GB/s into new buffers and 2.17 GB/s into
-    reused ones, 4 MiB chunks at 2.80 and 3.16 (bench/flight_cost.py,
-    BENCHMARKS.md). A chunk's columns,
-    its samples and any tensor made from them all keep a reference to the
-    buffer they view, so a buffer whose only references are this pool's is
-    free to be written again; one still viewed is never touched.
-
-    Args:
-        kept: buffers kept for reuse; at most this many chunks' bytes stay
-            allocated beyond what the reader holds.
-    """
-
-    def __init__(self, kept: int = KEPT_BUFFERS):
-        self.kept = kept
-        self._raw: list[np.ndarray] = []
-        self._lock = threading.Lock()
-
-    def take(self, size: int) -> np.ndarray:
-        """An aligned ``size``-byte array: a free kept buffer of about that size, else a new one."""
-        need = size + ALIGN_BYTES
-        with self._lock:
-            for i in range(len(self._raw)):
-                raw = self._raw[i]
-                # References: this list, ``raw``, getrefcount's argument.
-                if need <= raw.nbytes <= 2 * need and sys.getrefcount(raw) == 3:
-                    del self._raw[i]  # by position: == on arrays compares values
-                    self._raw.append(raw)  # most recently used last
-                    return aligned_empty(size, raw)
-            raw = np.empty(need, dtype=np.uint8)
-            self._raw.append(raw)
-            if len(self._raw) > self.kept:
-                del self._raw[0]  # dropped from the pool; its views keep it alive
-            return aligned_empty(size, raw)
-
