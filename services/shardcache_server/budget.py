@@ -9,12 +9,13 @@ configured ceiling.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from shardcache import keys
 from shardcache.errors import BackendError
 from shardcache.index import RedisIndex
 
-__all__ = ["RequestBudget"]
+__all__ = ["RequestBudget", "budget_from_spec"]
 
 MIN_RATE_FRACTION = 0.05  # never throttle below 5% of the configured rate
 RECOVERY_FRACTION = 0.01  # each granted request restores 1% of the ceiling
@@ -106,3 +107,12 @@ class RequestBudget:
     def current_rate(self, url: str) -> float:
         raw = self.index.client.hget(self.key(url), "rate")
         return float(raw) if raw is not None else self.rate
+
+
+def budget_from_spec(spec: dict[str, Any] | None) -> RequestBudget | None:
+    """The budget a listing task was handed as plain values
+    (``listing.listing_budget``), or ``None`` when the source has none."""
+    if spec is None:
+        return None
+    index = RedisIndex.from_url(spec["redis_url"], spec["namespace"])
+    return RequestBudget(index, spec["rate"], spec["burst"])

@@ -32,6 +32,8 @@ import numpy as np
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
 from shardcache.manifest import Manifest
 from shardcache.packed_manifest import PackedManifest
+from shardcache_server.budget import budget_from_spec
+from shardcache_server.list_fanout import FanOut
 from shardcache_server.objects import list_source
 from shardcache_server.packed_listing import list_packed
 from shardcache_server.spans import HeldSpans, SpanKeeper
@@ -87,21 +89,12 @@ def listing_budget(settings: Any) -> BudgetSpec | None:
     }
 
 
-def _budget(spec: BudgetSpec | None) -> Any:
-    if spec is None:
-        return None
-    from shardcache.index import RedisIndex
-    from shardcache_server.budget import RequestBudget
-
-    index = RedisIndex.from_url(spec["redis_url"], spec["namespace"])
-    return RequestBudget(index, spec["rate"], spec["burst"])
-
-
 def list_with_layout(
     spec: dict[str, Any],
     previous: Manifest | None,
     keeper: SpanKeeper | None = None,
     budget: BudgetSpec | None = None,
+    fan_out: bool = False,
 ) -> Manifest:
     """List ``spec["urls"]`` and cut it into chunks.
 
@@ -110,17 +103,19 @@ def list_with_layout(
     not move every later chunk boundary). ``keeper`` receives the units'
     bytes a packed listing reads whole (tar). ``budget`` (from
     :func:`listing_budget`): every LIST request takes a token of it.
+    ``fan_out``: an S3 prefix with many sub-prefixes is listed by Ray tasks
+    as well as this process (``list_fanout.py``); only inside Ray.
 
     The manifest exists only once the whole source is listed: a listing
     that fails or dies halfway publishes nothing, and the next request for
     the dataset lists again from the start.
     """
-    source_budget = _budget(budget)
+    source_budget = budget_from_spec(budget)
     if spec.get("format"):
         return list_packed(spec, previous, keeper, source_budget)  # type: ignore[return-value]
-    manifest = list_source(
-        spec["urls"], spec.get("storage_options") or {}, source_budget
-    )
+    options = spec.get("storage_options") or {}
+    spread = FanOut(options, budget) if fan_out else None
+    manifest = list_source(spec["urls"], options, source_budget, spread)
     if (
         isinstance(previous, Manifest)
         and "chunk_starts" in previous.columns
@@ -165,7 +160,7 @@ def _list_task(
     )
     versions, sizes = [], []
     with ThreadPoolExecutor(1, thread_name_prefix="listing") as pool:
-        job = pool.submit(list_with_layout, spec, prev, keeper, budget)
+        job = pool.submit(list_with_layout, spec, prev, keeper, budget, True)
         job.add_done_callback(lambda _: found.put(_DONE))
         while (item := found.get()) is not _DONE:
             versions.append(item[0])

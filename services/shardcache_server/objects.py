@@ -32,7 +32,14 @@ from shardcache.manifest import Manifest, ManifestWriter
 from shardcache.source import open_remote
 from shardcache_server.list_pages import fast_pages, page_objects
 
-__all__ = ["LIST_CONCURRENCY", "LIST_PAGE_KEYS", "LIST_RETRIES", "list_source"]
+__all__ = [
+    "LIST_CONCURRENCY",
+    "LIST_PAGE_KEYS",
+    "LIST_RETRIES",
+    "Accept",
+    "list_prefixes",
+    "list_source",
+]
 
 _GLOB_CHARS = "*?["
 LIST_CONCURRENCY = 16  # sub-prefixes listed at once (each one request in flight)
@@ -302,18 +309,10 @@ def _skip_timestamps(session: Any) -> None:
     factory.set_parser_defaults(timestamp_parser=_unparsed)
 
 
-async def _list_s3_async(
-    options: dict[str, Any],
-    protocol: str,
-    root: str,
-    accept: Accept,
-    url: str,
-    budget: Any,
-) -> list[ManifestWriter]:
+async def _open_s3(options: dict[str, Any]) -> tuple[Any, Any]:
+    """This listing's own s3fs filesystem and client (private session)."""
     import s3fs
 
-    bucket, _, key = root.partition("/")
-    head = f"{protocol}://{bucket}/".encode()
     options = dict(options)
     # One retry policy, ours (as fetch.py): botocore would otherwise retry a
     # 503 underneath, unseen by the shared budget.
@@ -324,6 +323,75 @@ async def _list_s3_async(
     client = await fs.set_session()
     _skip_timestamps(fs.session)
     fast_pages(client)
+    return fs, client
+
+
+async def _list_prefix(
+    client: Any,
+    bucket: str,
+    sub: str,
+    out: ManifestWriter,
+    accept: Accept,
+    url: str,
+    budget: Any,
+) -> int:
+    """Every key under ``sub`` into ``out``; returns the keys seen (filtered or not)."""
+    head = f"{url.split('://', 1)[0]}://{bucket}/".encode()
+    seen = 0
+    async for page in _pages(client, bucket, sub, url, budget):
+        objects = page_objects(page)
+        seen += len(objects)
+        for obj in objects:
+            _add_s3(out, head, obj, accept, bucket)
+    return seen
+
+
+def list_prefixes(
+    options: dict[str, Any],
+    bucket: str,
+    subs: list[str],
+    accept: Accept,
+    url: str,
+    budget: Any,
+) -> tuple[list[ManifestWriter], int]:
+    """List each of ``subs`` into a writer of its own (at most
+    ``LIST_CONCURRENCY`` pages in flight), in another process: a group of
+    sub-prefixes sent out by :class:`list_fanout.FanOut`. Returns the
+    writers and the keys seen."""
+    from fsspec.asyn import get_loop, sync
+
+    async def run() -> tuple[list[ManifestWriter], int]:
+        fs, client = await _open_s3(options)
+        try:
+            sem = asyncio.Semaphore(LIST_CONCURRENCY)
+            outs = [ManifestWriter() for _ in subs]
+
+            async def one(sub: str, out: ManifestWriter) -> int:
+                async with sem:
+                    return await _list_prefix(
+                        client, bucket, sub, out, accept, url, budget
+                    )
+
+            seen = await asyncio.gather(*(one(s, o) for s, o in zip(subs, outs, strict=True)))
+            return outs, sum(seen)
+        finally:
+            await fs._s3creator.__aexit__(None, None, None)
+
+    return sync(get_loop(), run)
+
+
+async def _list_s3_async(
+    options: dict[str, Any],
+    protocol: str,
+    root: str,
+    accept: Accept,
+    url: str,
+    budget: Any,
+    fan_out: Any,
+) -> list[ManifestWriter]:
+    bucket, _, key = root.partition("/")
+    head = f"{protocol}://{bucket}/".encode()
+    fs, client = await _open_s3(options)
     try:
         prefix = key.rstrip("/") + "/" if key else ""
         parts = _Parts()
@@ -333,13 +401,19 @@ async def _list_s3_async(
 
         async def one_prefix(sub: str, out: ManifestWriter) -> None:
             async with sem:
-                async for page in _pages(client, bucket, sub, url, budget):
-                    objects = page_objects(page)
-                    listed[0] += len(objects)
-                    for obj in objects:
-                        _add_s3(out, head, obj, accept, bucket)
+                listed[0] += await _list_prefix(
+                    client, bucket, sub, out, accept, url, budget
+                )
 
-        tasks = []
+        async def elsewhere(group: list[tuple[str, int]]) -> None:
+            # A group listed by another process: its CPU is not this one's.
+            subs = [sub for sub, _ in group]
+            outs, seen = await fan_out.list(bucket, subs, accept, url)
+            for (_, slot), out in zip(group, outs, strict=True):
+                parts.slots[slot] = out
+            listed[0] += seen
+
+        tasks, group = [], []
         async for page in _pages(client, bucket, prefix, url, budget, True):
             # A page's keys and sub-prefixes are each sorted; interleave them
             # by name so each sub-prefix's slot sits where its keys sort.
@@ -353,12 +427,29 @@ async def _list_s3_async(
             for name, obj in entries:
                 if obj is None:
                     parts.prefix(name.decode())
-                    sub, slot = parts.prefixes[-1]
-                    tasks.append(
-                        asyncio.ensure_future(one_prefix(sub, parts.slots[slot]))
-                    )
+                    group.append(parts.prefixes[-1])
+                    if fan_out is None:
+                        sub, slot = group.pop()
+                        tasks.append(
+                            asyncio.ensure_future(one_prefix(sub, parts.slots[slot]))
+                        )
+                    elif len(parts.prefixes) >= 2 * fan_out.group:
+                        while len(group) >= fan_out.group:
+                            sent, group = (
+                                group[: fan_out.group],
+                                group[fan_out.group :],
+                            )
+                            tasks.append(asyncio.ensure_future(elsewhere(sent)))
                 else:
                     _add_s3(parts.here, head, obj, accept, bucket)
+        if group and len(parts.prefixes) < 2 * fan_out.group:
+            # Too few sub-prefixes to pay for other processes: listed here.
+            tasks += [
+                asyncio.ensure_future(one_prefix(sub, parts.slots[slot]))
+                for sub, slot in group
+            ]
+        elif group:
+            tasks.append(asyncio.ensure_future(elsewhere(group)))
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -381,14 +472,28 @@ async def _list_s3_async(
 
 
 def _list_s3(
-    fs: Any, root: str, accept: Accept, url: str, options: dict[str, Any], budget: Any
+    fs: Any,
+    root: str,
+    accept: Accept,
+    url: str,
+    options: dict[str, Any],
+    budget: Any,
+    fan_out: Any = None,
 ) -> list[ManifestWriter]:
     from fsspec.asyn import get_loop, sync
 
     protocol = url.split("://", 1)[0]
     try:
         return sync(
-            get_loop(), _list_s3_async, options, protocol, root, accept, url, budget
+            get_loop(),
+            _list_s3_async,
+            options,
+            protocol,
+            root,
+            accept,
+            url,
+            budget,
+            fan_out,
         )
     except (SourceNotFound, RemoteFetchError, ConfigError):
         raise
@@ -416,12 +521,13 @@ def _list_one(
     options: dict[str, Any],
     budget: Any,
     accept: Accept | None = None,
+    fan_out: Any = None,
 ) -> list[ManifestWriter]:
     if any(c in path for c in _GLOB_CHARS):
         path, accept = _glob_root(path)
     keep: Accept = accept or (lambda _p: True)
     if protocol in _S3:
-        return _list_s3(fs, path, keep, url, options, budget)
+        return _list_s3(fs, path, keep, url, options, budget, fan_out)
     if protocol in ("file", "local"):
         return _list_local(os.path.normpath(path) if path != "/" else path, keep, url)
     return _list_generic(fs, path, keep, url)
@@ -431,6 +537,7 @@ def list_source(
     urls: str | Sequence[str],
     storage_options: dict[str, Any] | None = None,
     budget: Any = None,
+    fan_out: Any = None,
 ) -> Manifest:
     """List ``urls`` into a deterministic, sorted :class:`Manifest`.
 
@@ -443,6 +550,10 @@ def list_source(
         budget: the source's shared request budget
             (:class:`~shardcache_server.budget.RequestBudget`): every LIST
             request takes a token, as GETs do. Defaults to ``None``: no limit.
+        fan_out: lists groups of an S3 prefix's sub-prefixes in other
+            processes (:class:`~shardcache_server.list_fanout.FanOut`), so
+            the parsing of a large listing uses more than one core.
+            Defaults to ``None``: all in this process.
 
     Raises:
         ConfigError: bad URL or scheme.
@@ -460,7 +571,7 @@ def list_source(
     protocol = url_list[0].split("://", 1)[0] if "://" in url_list[0] else "file"
     if isinstance(urls, str):
         _, path = open_remote(urls, options)
-        parts = _list_one(fs, path, urls, protocol, options, budget)
+        parts = _list_one(fs, path, urls, protocol, options, budget, None, fan_out)
         manifest = Manifest.concat(protocol, parts)
     else:
         manifest = _list_urls(fs, url_list, protocol, options, budget)

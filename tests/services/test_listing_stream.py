@@ -239,3 +239,64 @@ def test_list_source_s3_leaves_timestamps_unparsed_in_its_own_session_only(
     s3fs_client.invalidate_cache()
     modified = s3fs_client.info(f"{bucket}/ts/0")["LastModified"]
     assert isinstance(modified, datetime.datetime)
+
+
+def test_list_source_s3_fans_sub_prefix_groups_out_to_ray_tasks(
+    ray_cluster: Any, s3: Any, s3fs_client: Any, bucket: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    # 30 sub-prefixes of different sizes, odd names, keys between them: the
+    # groups listed by Ray tasks land where their keys sort, and the
+    # manifest equals the one listed in this process, column for column.
+    from shardcache_server.list_fanout import FanOut
+
+    keys = [f"fan/{d:02d}{'é %' if d % 7 == 0 else ''}/{i:03d}"
+            for d in range(30) for i in range(1 + d % 5)]  # fmt: skip
+    keys += ["fan/00-top", "fan/15.bin", "fan/zz"]
+    s3fs_client.pipe({f"{bucket}/{k}": k.encode() for k in keys})
+    here = list_source(f"s3://{bucket}/fan/", s3.storage_options())
+
+    fan = FanOut(s3.storage_options(), None, group=4)
+    sent: list[list[str]] = []
+    listed = fan.list
+
+    async def counted(bucket_: str, subs: list[str], accept: Any, url: str) -> Any:
+        sent.append(subs)
+        return await listed(bucket_, subs, accept, url)
+
+    monkeypatch.setattr(fan, "list", counted)
+    spread = list_source(f"s3://{bucket}/fan/", s3.storage_options(), None, fan)
+    assert spread.urls() == sorted(f"s3://{bucket}/{k}" for k in keys)
+    for name, column in here.columns.items():
+        assert (spread.columns[name] == column).all(), name
+    # Every sub-prefix went out in a group of at most 4: none listed here.
+    assert sorted(s for group in sent for s in group) == sorted(
+        {k.rsplit("/", 1)[0] + "/" for k in keys if k.count("/") == 2}
+    )
+    assert max(len(g) for g in sent) == 4
+
+    # As the stores list: inside a Ray task, which awaits its own tasks.
+    import ray
+
+    def in_task(url: str, options: dict[str, Any]) -> list[str]:
+        from shardcache_server.list_fanout import FanOut
+        from shardcache_server.objects import list_source
+
+        return list_source(url, options, None, FanOut(options, None, 4)).urls()
+
+    task = ray.remote(in_task).options(num_cpus=0)
+    got = ray.get(task.remote(f"s3://{bucket}/fan/", s3.storage_options()))
+    assert got == here.urls()
+
+
+def test_fan_out_task_errors_reach_the_listing_as_the_projects_own(
+    ray_cluster: Any, s3: Any,
+) -> None:  # fmt: skip
+    from shardcache.errors import SourceNotFound
+    from shardcache_server.list_fanout import FanOut
+
+    fan = FanOut(s3.storage_options(), None)
+    with pytest.raises(SourceNotFound, match="no-such-bucket"):
+        asyncio.run(
+            fan.list("no-such-bucket", ["x/"], lambda _p: True, "s3://no-such-bucket/x/")
+        )
