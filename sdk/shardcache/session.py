@@ -104,6 +104,7 @@ class RankSession:
         self.cursor = 0  # where in the epoch's order the next batch starts
         self.batch_size = 0  # the first batch's, for the prefetch window
         self._read_ahead_to = (-1, 0)  # (epoch, position) read ahead up to
+        self._prefetched_to: tuple[Any, int] = (None, 0)  # (epoch..., position)
         self.epoch_reported = False
         self.warned_skip = False
         # The reader's served counts when this epoch began, and the shuffle
@@ -310,8 +311,17 @@ class RankSession:
             # epoch then keeps every core of the node's stores busy (the
             # reader stops early when the stores cannot cache what it asks).
             whole = self.waits.batches == 1 and not reader.saw_uncached
-            span = len(order) if whole else window
-            reader.prefetch(order[self.cursor : self.cursor + span])
+            end = self.cursor + (len(order) if whole else window)
+            # Only the samples the window did not cover at the last batch:
+            # the rest were asked for already (~15 us a batch of chunk
+            # lookups otherwise). A new epoch, generation or variant asks
+            # for the whole window again.
+            key = (self.sampler.epoch, reader.generation, reader.variant)
+            asked_key, asked = self._prefetched_to
+            start = max(self.cursor, asked) if asked_key == key else self.cursor
+            if start < end:
+                reader.prefetch(order[start:end])
+            self._prefetched_to = (key, max(end, start))
         if (
             not self.epoch_reported
             and self.cursor >= len(self.sampler)
