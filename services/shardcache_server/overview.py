@@ -15,7 +15,13 @@ from shardcache import keys
 from shardcache.index import HitStats, RedisIndex
 from shardcache.usage import HEARTBEAT_S, RankUsage, UsageReader
 
-__all__ = ["dataset_overview", "node_rows", "rank_rows", "store_traffic"]
+__all__ = [
+    "dataset_overview",
+    "live_stores",
+    "node_rows",
+    "rank_rows",
+    "store_traffic",
+]
 
 GENERATIONS_SHOWN = 5  # the cost of the last few version bumps
 EXACT_BYTES_MAX_ENTRIES = (
@@ -23,6 +29,13 @@ EXACT_BYTES_MAX_ENTRIES = (
 )
 STRAGGLER_FACTOR = 2.0  # a rank is a straggler past twice the median
 STRAGGLER_MIN_EXTRA_S = 1.0  # ...and at least this much more blocked time
+STRAGGLER_MIN_EXTRA_P99_MS = 100.0  # ...or this much more p99 batch wait
+# A store that has not written its heartbeat (every ``stats_flush_s``, 1 s)
+# for this long is gone: its node left, or the Ray cluster it ran in ended
+# (a Ray Train script's own local cluster does at exit). Its record and its
+# index entries stay in Redis until a live store takes the chunks over, so
+# every view counts only live stores' memory and entries.
+STORE_SILENT_AFTER_S = 30.0
 # A rank silent this long without a final report has stopped (SIGKILL, OOM):
 # three heartbeats, so a long step or one slow Redis write is not a death.
 RANK_SILENT_AFTER_S = 3 * HEARTBEAT_S
@@ -43,6 +56,17 @@ def store_traffic(s: HitStats) -> dict[str, Any]:
     }
 
 
+def live_stores(index: RedisIndex) -> dict[str, dict[str, Any]]:
+    """The heartbeat record of every store that wrote one in the last
+    ``STORE_SILENT_AFTER_S``, by node."""
+    now = time.time()
+    return {
+        node: info
+        for node, info in index.stores().items()
+        if now - float(info.get("ts", 0) or 0) <= STORE_SILENT_AFTER_S
+    }
+
+
 def dataset_overview(
     index: RedisIndex, usage: UsageReader, name: str
 ) -> dict[str, Any] | None:
@@ -56,7 +80,14 @@ def dataset_overview(
     # chunk of the published listing stands in.
     chunks = index.entry_count(name, record.generation)
     if chunks <= EXACT_BYTES_MAX_ENTRIES:
-        entries = index.entries(name, record.generation).values()
+        live = live_stores(index)
+        # A gone store's chunks died with it (memory) or wait for a store on
+        # its host (disk): not cached for any reader now.
+        entries = [
+            e
+            for e in index.entries(name, record.generation).values()
+            if e.get("owner", "") in live or "owner" not in e
+        ]
         cached = sum(int(e.get("samples", 1)) for e in entries)
         cached_bytes = sum(int(e.get("size", 0)) for e in entries)
         bytes_estimated = False
@@ -105,7 +136,7 @@ def node_rows(index: RedisIndex) -> list[dict[str, Any]]:
     out = []
     now = time.time()
     datasets = index.datasets()
-    stores = index.stores()
+    stores = live_stores(index)
     per_pair = index.node_stats_many(datasets, list(stores))
     for node, info in sorted(stores.items()):
         hits = misses = evictions = 0
@@ -129,7 +160,17 @@ def node_rows(index: RedisIndex) -> list[dict[str, Any]]:
 
 
 def _median(values: list[float]) -> float:
-    return sorted(values)[(len(values) - 1) // 2] if values else 0.0  # median_low
+    if not values:
+        return 0.0
+    ordered, mid = sorted(values), len(values) // 2
+    return ordered[mid] if len(values) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _others(values: list[float], i: int, median: float) -> float:
+    """What rank ``i`` is compared with: the other rank's value with two
+    ranks (the median of both cannot be exceeded twice over), else the
+    median of all."""
+    return values[1 - i] if len(values) == 2 else median
 
 
 def rank_rows(index: RedisIndex, usage: UsageReader, name: str) -> list[dict[str, Any]]:
@@ -169,16 +210,24 @@ def rank_rows(index: RedisIndex, usage: UsageReader, name: str) -> list[dict[str
         )
     # A straggler is the rank that waited: by its p99 batch wait, or by the
     # total time its loop was blocked (a rank can be slow without a bad p99).
-    median_p99 = _median([r["wait_p99_ms"] for r in rows])
-    median_blocked = _median([r["blocked_s"] for r in rows if r["blocked_s"]])
-    for r in rows:
-        blocked = r["blocked_s"] or 0.0
+    # Each needs a minimum margin too: a p99 of a few dozen batches is one
+    # slow batch (an epoch's first), not a slow rank.
+    p99s = [r["wait_p99_ms"] for r in rows]
+    blocks = [r["blocked_s"] or 0.0 for r in rows]
+    median_p99, median_blocked = _median(p99s), _median([b for b in blocks if b])
+    for i, r in enumerate(rows):
+        p99, base_p99 = p99s[i], _others(p99s, i, median_p99)
+        blocked, base_blocked = blocks[i], _others(blocks, i, median_blocked)
         r["straggler"] = bool(
-            (median_p99 and r["wait_p99_ms"] > STRAGGLER_FACTOR * median_p99)
+            (
+                base_p99
+                and p99 > STRAGGLER_FACTOR * base_p99
+                and p99 - base_p99 >= STRAGGLER_MIN_EXTRA_P99_MS
+            )
             or (
-                median_blocked
-                and blocked > STRAGGLER_FACTOR * median_blocked
-                and blocked - median_blocked >= STRAGGLER_MIN_EXTRA_S
+                base_blocked
+                and blocked > STRAGGLER_FACTOR * base_blocked
+                and blocked - base_blocked >= STRAGGLER_MIN_EXTRA_S
             )
         )
     return rows

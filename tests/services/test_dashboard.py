@@ -64,7 +64,7 @@ def filled(s3, s3fs_client, bucket, redis_url):
             "hits": 16,
             "misses": 8,
             "wait_p50_ms": 1.1,
-            "wait_p99_ms": 9.0,
+            "wait_p99_ms": 150.0,
             "generation": 1,
         },
     )
@@ -437,3 +437,56 @@ def test_dashboard_page_in_headless_chromium_shows_rank_reported_hit_rate(
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_a_gone_store_is_counted_by_no_view(filled, redis_url):
+    """A Ray Train script's own local cluster ends with the script; its
+    store's heartbeat record and index entries stay in Redis. No view may
+    count its memory or its chunks as cached."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from shardcache import keys
+    from shardcache_server.cli import app
+
+    ns, index = filled
+    gen = index.generation("images")
+    before = TestClient(create_app(redis_url, ns)).get("/api/overview").json()
+    gone = {
+        "ts": time.time() - 3600,
+        "used_bytes": 7 << 20,
+        "budget_bytes": 8 << 20,
+        "bytes_by_dataset": {"images": 7 << 20},
+    }
+    index.client.hset(keys.stores_key(ns), "deadbeef" * 7, json.dumps(gone))
+    entry = {"size": 640, "samples": 10, "owner": "deadbeef" * 7, "generation": gen}
+    index.client.hset(keys.entries_key(ns, "images", gen), "c99", json.dumps(entry))
+
+    client = TestClient(create_app(redis_url, ns))
+    body = client.get("/api/overview").json()
+    (ds,) = body["datasets"]
+    (was,) = before["datasets"]
+    assert (ds["objects_cached"], ds["bytes_cached"]) == (
+        was["objects_cached"],
+        was["bytes_cached"],
+    )
+    assert "deadbeef" not in json.dumps(body["nodes"])
+    assert "deadbeef" not in client.get("/metrics").text
+    listed = CliRunner().invoke(app, ["ls", "--redis-url", redis_url, "--namespace", ns])
+    assert listed.exit_code == 0 and "deadbeef" not in listed.output
+
+
+def test_two_ranks_with_one_slow_batch_are_not_stragglers(redis_url):
+    """A p99 over a few dozen batches is one slow batch; with two ranks the
+    median of both can never be exceeded twice over, so each is compared
+    with the other, and a margin is needed as well."""
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    index = ClusterIndex.from_url(redis_url, ns)
+    for rank, p99 in ((0, 56.65), (1, 0.78)):
+        index.record_rank("images", "st", rank, {"wait_p99_ms": p99, "hits": 5})
+    ranks = TestClient(create_app(redis_url, ns)).get("/api/ranks/images").json()
+    assert [r["straggler"] for r in ranks["ranks"]] == [False, False]
+    index.record_rank("images", "st", 0, {"wait_p99_ms": 400.0, "hits": 5})
+    ranks = TestClient(create_app(redis_url, ns)).get("/api/ranks/images").json()
+    assert [r["straggler"] for r in ranks["ranks"]] == [True, False]

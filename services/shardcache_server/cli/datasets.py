@@ -19,6 +19,7 @@ from shardcache_server.cli.options import (
     require_dataset,
     running_index,
 )
+from shardcache_server.overview import live_stores
 
 __all__ = ["invalidate", "list_datasets", "stats", "verify"]
 
@@ -178,7 +179,7 @@ def list_datasets(redis_url: str = RedisOpt, namespace: str = NamespaceOpt) -> N
             "memory MiB, per node",
             "disk MiB, per node",
         )
-        stores = index.stores()
+        stores = live_stores(index)  # a gone node's memory is not the cache's
         for ds in names:
             record = index.dataset(ds)
             if record is None:
