@@ -289,7 +289,7 @@ class DistributedCachedDataset(Dataset[Any]):
     config = property(lambda self: self.spec.config)
     on_error = property(lambda self: self.spec.on_error)
     consistency = property(lambda self: self.spec.consistency)
-    job = property(lambda self: self._job.id)
+    job = property(lambda self: self._slot.job.id)  # agreed at first use, maybe
     fingerprint = property(lambda self: self.spec.fingerprint)  # versions the cache
     # The listing this process reads: None in a DataLoader worker until its
     # first batch maps it.

@@ -19,8 +19,11 @@ user. In order of precedence:
 5. An initialized process group: the same through its store.
 6. One process (world size 1): a fresh id.
 7. Several ranks and none of the above (a launcher that starts the process
-   group later): a fresh id per process, with a warning naming ``job=``;
-   each rank then revalidates the listing on its own.
+   group later, as Lightning's does): a fresh id per process, which each
+   rank uses to revalidate the listing on its own. At the first batch or
+   epoch, once the process group runs, the ranks agree through it
+   (:func:`agree_in_process_group`) and report as one job; a rank that
+   still cannot agree warns, naming ``job=``.
 
 >>> resolve_job("nightly-42").id, resolve_job("nightly-42").source
 ('nightly-42', 'job=')
@@ -38,7 +41,7 @@ from datetime import timedelta
 
 from shardcache.keys import validate_name
 
-__all__ = ["JobId", "resolve_job"]
+__all__ = ["JobId", "agree_in_process_group", "resolve_job", "warn_unshared"]
 
 log = logging.getLogger("shardcache")
 
@@ -92,19 +95,29 @@ def resolve_job(explicit: str | None, env: Mapping[str, str] | None = None) -> J
         )
     if named:
         return JobId(_safe(run_id), "torchrun")
+    return agree_in_process_group() or JobId(_fresh(), "process")
+
+
+def agree_in_process_group() -> JobId | None:
+    """The id the ranks of the initialized process group agree on (the first
+    to ask writes it into the group's store), else ``None``."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         store = dist.distributed_c10d._get_default_store()
         return JobId(_agree(store), "process-group")
-    if int(env.get("WORLD_SIZE", "1")) > 1:
-        log.warning(
-            "shardcache: %s ranks but no way to agree on a job id (no process "
-            "group, no torchrun store): each rank gets its own. Pass job= (or "
-            "SHARDCACHE_JOB) with one id per run to share one listing.",
-            env.get("WORLD_SIZE"),
-        )
-    return JobId(_fresh(), "process")
+    return None
+
+
+def warn_unshared(world_size: int) -> None:
+    """Several ranks, each with its own job id (see 7. above)."""
+    log.warning(
+        "shardcache: %s ranks but no way to agree on a job id (no process group "
+        "at the first batch, no torchrun store): each rank is its own job on the "
+        "dashboard and lists the source itself. Pass job= (or SHARDCACHE_JOB) "
+        "with one id per run.",
+        world_size,
+    )
 
 
 def _agree(store: object) -> str:

@@ -19,8 +19,10 @@ from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
+from torch.utils.data import get_worker_info
+
 from shardcache.generations import Generations, layout_digest
-from shardcache.job import JobId
+from shardcache.job import JobId, agree_in_process_group, warn_unshared
 from shardcache.manifest import Manifest
 from shardcache.resume import apply_state, current_node
 from shardcache.resume.apply import check_on_change, crossed_listing
@@ -87,14 +89,37 @@ class SessionSlot:
 
     def use_world(self, world: World) -> None:
         """The sampler read the world (at first use): rank-keyed reporting
-        follows it. Only ever before this process's first batch."""
-        if (world.rank, world.world_size) == (self.rank, self.world_size):
+        follows it, and so does the job id where the ranks could not agree
+        on one when the dataset was built. Only ever before this process's
+        first batch."""
+        job = self._agreed_job(world.world_size)
+        if job == self.job and (world.rank, world.world_size) == (
+            self.rank,
+            self.world_size,
+        ):
             return
+        self.job = job
         self.rank, self.world_size = world.rank, world.world_size
         old = self.session
         if old.is_current and old.waits.batches == 0:
             old.close_reader()
             self.session = self._open(old.client, old.manifest)
+
+    def _agreed_job(self, world_size: int) -> JobId:
+        """A per-process id (no way to agree when built: Lightning's launcher
+        starts the process group later) replaced by the one the process group
+        agrees on, in the rank's own process; a DataLoader worker keeps its
+        rank's (it was started after the rank's first use: trainers ask
+        ``len()`` before iterating)."""
+        if self.job.source != "process" or world_size < 2:
+            return self.job
+        if get_worker_info() is not None:
+            return self.job
+        agreed = agree_in_process_group()
+        if agreed is None:
+            warn_unshared(world_size)
+            return self.job
+        return agreed
 
     def start_epoch(self, epoch: int, resuming: bool) -> None:
         """The sampler started ``epoch`` (``ds.set_epoch`` or

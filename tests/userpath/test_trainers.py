@@ -69,6 +69,9 @@ def check_run(proc, out: Path, base: int, samples: int = SAMPLES) -> list[dict]:
     for e in range(EPOCHS):
         union = [v for epochs in per_rank for v in epochs[e]]
         assert sorted(union) == list(range(base, base + samples)), f"epoch {e}"
+    # One job on the dashboard: the ranks agreed on its id, however started.
+    assert len({r["job"] for r in reports}) == 1, [r["job"] for r in reports]
+    assert "no way to agree on a job id" not in proc.stderr
     return reports
 
 

@@ -57,6 +57,7 @@ def _report(ds):
         "per_epoch": len(ds.sampler),
         "hits": stats["hits"],
         "misses": stats["misses"],
+        "job": stats["job"],
     }
     (OUT / f"rank{ds.rank}.json").write_text(json.dumps(report))
 
