@@ -15,6 +15,7 @@ the session that is current.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -117,7 +118,8 @@ class SessionSlot:
             return self.job
         agreed = agree_in_process_group()
         if agreed is None:
-            warn_unshared(world_size)
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a launcher's ranks
+                warn_unshared(world_size)
             return self.job
         return agreed
 
