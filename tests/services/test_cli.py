@@ -192,3 +192,18 @@ def test_cli_tables_wider_than_the_terminal_are_printed_whole(monkeypatch):
     narrow.add_row("d", "12")
     options.print_table(narrow)
     assert max(map(len, out.getvalue().splitlines())) <= 80
+
+
+def test_cli_help_lists_each_command_on_one_line_when_there_is_room():
+    """The command list shows each docstring's first paragraph as one line;
+    the source's line ends used to cut it mid-sentence at any width."""
+    wide = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "250"})
+    assert wide.exit_code == 0
+    lines = wide.output.splitlines()
+    for command, tail in (
+        ("invalidate", "Exit 1 when nothing runs, 2 for an unknown name."),
+        ("ls", "on the disk tier (exit 1 when nothing runs)."),
+        ("warm", "on its node."),
+    ):
+        (line,) = [ln for ln in lines if ln.startswith(f"│ {command} ")]
+        assert tail in line, line

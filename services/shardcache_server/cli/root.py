@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import typer
 
@@ -28,16 +31,27 @@ local_app = typer.Typer(
 )
 app.add_typer(local_app, name="local")
 
-app.command()(warm)
-app.command()(stats)
-app.command()(invalidate)
-app.command("ls")(list_datasets)
-app.command()(verify)
-app.command()(demo)
-app.command()(dashboard)
-app.command()(stores)
-app.command()(selftest)
-local_app.command("stop")(local_stop)
+
+def _short(command: Callable[..., Any]) -> str:
+    """The command list's line: the docstring's first paragraph as one
+    line (the terminal wraps it), not cut where the source's lines end."""
+    first = inspect.getdoc(command) or ""
+    return " ".join(first.split("\n\n", 1)[0].split())
+
+
+for name, command in (
+    ("warm", warm),
+    ("stats", stats),
+    ("invalidate", invalidate),
+    ("ls", list_datasets),
+    ("verify", verify),
+    ("demo", demo),
+    ("dashboard", dashboard),
+    ("stores", stores),
+    ("selftest", selftest),
+):
+    app.command(name, short_help=_short(command))(command)
+local_app.command("stop", short_help=_short(local_stop))(local_stop)
 
 
 def main() -> None:  # pragma: no cover - console entry point
