@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import uuid
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def _exported_metrics(redis_url: str) -> set[str]:
     index = ClusterIndex.from_url(redis_url, ns)
     index.register("images", "s3://b/images/", "fp", 10, 1000)
     index.flush_stats({("images", 1): {"hits": 1, "misses": 1}}, "node-a")
-    index.heartbeat("node-a", {"used_bytes": 10, "budget_bytes": 100, "ts": 0})
+    index.heartbeat("node-a", {"used_bytes": 10, "budget_bytes": 100, "ts": time.time()})
     index.record_rank("images", "job1", 0, {"wait_p99_ms": 1.0})
     reporter = UsageReporter(
         lambda: redis_py.Redis.from_url(redis_url, decode_responses=True),
