@@ -68,9 +68,7 @@ class FanOut:
         self._task = ray.remote(_list_group).options(
             num_cpus=0, max_retries=0, scheduling_strategy="SPREAD"
         )
-        cpus = int(ray.cluster_resources().get("CPU", 1))
         self._slots: asyncio.Semaphore | None = None
-        self._in_flight = max(1, min(IN_FLIGHT, cpus))
 
     async def list(
         self, bucket: str, subs: list[str], accept: Accept, url: str
@@ -85,7 +83,10 @@ class FanOut:
         from shardcache.errors import ShardCacheError
 
         if self._slots is None:  # made on the listing's own event loop
-            self._slots = asyncio.Semaphore(self._in_flight)
+            # Asked of the cluster only by a listing that sends groups out:
+            # every store listing builds a FanOut, local files included.
+            cpus = int(ray.cluster_resources().get("CPU", 1))
+            self._slots = asyncio.Semaphore(max(1, min(IN_FLIGHT, cpus)))
         async with self._slots:
             ref = self._task.remote(
                 self._options, bucket, subs, accept, url, self._budget
