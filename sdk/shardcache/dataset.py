@@ -44,7 +44,8 @@ class DistributedCachedDataset(Dataset[Any]):
     """Every DDP rank reads a stable shard of a remote dataset from its node's cache.
 
     What to read:
-        urls: an fsspec prefix, glob, or list of object URLs.
+        urls: an fsspec prefix, glob, or a list of object URLs, prefixes and
+            globs (objects joined in key order, each once).
         preprocess: deterministic ``bytes -> array | tensor | dict`` run once per
             object on the cluster. Its fingerprint (its code, bound values and
             the globals it reads, never memory addresses) versions the cache.

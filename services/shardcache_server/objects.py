@@ -372,7 +372,9 @@ def list_prefixes(
                         client, bucket, sub, out, accept, url, budget
                     )
 
-            seen = await asyncio.gather(*(one(s, o) for s, o in zip(subs, outs, strict=True)))
+            seen = await asyncio.gather(
+                *(one(s, o) for s, o in zip(subs, outs, strict=True))
+            )
             return outs, sum(seen)
         finally:
             await fs._s3creator.__aexit__(None, None, None)
@@ -543,8 +545,9 @@ def list_source(
 
     Args:
         urls: a prefix (``s3://bucket/train/``), a glob (``s3://b/*.jpg``) or a
-            list of object URLs. A list is served by listing each distinct
-            parent prefix once.
+            list of object URLs, prefixes and globs (their objects joined in
+            key order). A list's object URLs are served by listing each
+            distinct parent prefix once.
         storage_options: passed to fsspec, e.g. ``{"client_kwargs":
             {"endpoint_url": ...}}``.
         budget: the source's shared request budget
@@ -586,13 +589,27 @@ def list_source(
 def _list_urls(
     fs: Any, url_list: list[str], protocol: str, options: dict[str, Any], budget: Any
 ) -> Manifest:
-    """A list of object URLs: each distinct parent listed once, filtered to
-    the wanted ones (the caller already holds their names)."""
+    """A list: object URLs, each distinct parent listed once and filtered to
+    the wanted ones (the caller already holds their names), and prefixes or
+    globs, each listed whole. Their objects are joined in key order, one
+    named twice listed once; held per object while listed, so a prefix of
+    millions is better passed alone, as a string (it then streams)."""
     wanted: dict[str, set[str]] = {}
+    found: dict[str, tuple[int, str]] = {}
     for url in url_list:
         _, path = open_remote(url, options)
-        wanted.setdefault(posixpath.dirname(path), set()).add(path)
-    found: dict[str, tuple[int, str]] = {}
+        if not _names_many(url, path, protocol):
+            wanted.setdefault(posixpath.dirname(path), set()).add(path)
+            continue
+        parts = _list_one(fs, path, url, protocol, options, budget)
+        listed = Manifest.concat(protocol, parts)
+        if not len(listed):
+            raise EmptyDatasetError(
+                f"{url!r} in urls lists no objects. Check the prefix or glob, "
+                "or remove it from the list."
+            )
+        for i in range(len(listed)):
+            found[_path_of(protocol, listed.url(i))] = (listed.size(i), listed.etag(i))
     for parent, paths in wanted.items():
         for part in _list_one(
             fs, parent, parent, protocol, options, budget, paths.__contains__
@@ -607,12 +624,23 @@ def _list_urls(
         if missing:
             raise SourceNotFound(
                 f"{len(missing)} listed object(s) do not exist, e.g. "
-                f"{_to_url(protocol, missing[0])!r}. Remove them from urls."
+                f"{_to_url(protocol, missing[0])!r}. Remove them from urls (a "
+                "prefix in a list ends with '/')."
             )
     out = ManifestWriter()
     for path in sorted(found, key=lambda p: p.encode(errors="surrogateescape")):
         out.add(_to_url(protocol, path), *found[path])
     return Manifest.concat(protocol, [out])
+
+
+def _names_many(url: str, path: str, protocol: str) -> bool:
+    """An entry of a list that is listed whole: a prefix (ending with ``/``),
+    a glob, or a local folder; any other entry names one object."""
+    return (
+        url.endswith("/")
+        or any(c in path for c in _GLOB_CHARS)
+        or (protocol in ("file", "local") and os.path.isdir(path))
+    )
 
 
 def _to_url(protocol: str, path: str) -> str:

@@ -55,6 +55,27 @@ def test_dataset_bytes_equal_direct_read_and_later_epochs_make_no_gets(
     ds.close()
 
 
+def test_dataset_over_a_list_of_prefixes_reads_every_object_once(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
+    train = _objects(s3fs_client, bucket, count=10, prefix="train")
+    val = _objects(s3fs_client, bucket, count=6, prefix="val")
+    ds = DistributedCachedDataset(
+        [f"s3://{bucket}/train/", f"s3://{bucket}/val/"],
+        storage_options=s3.storage_options(),
+        redis_url=redis_url,
+        namespace=namespace,
+    )
+    assert len(ds) == 16
+    loader = DataLoader(ds, batch_size=4, sampler=ds.sampler, collate_fn=list)
+    s3.reset_counts()
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        seen = sorted(bytes(t.numpy()) for batch in loader for t in batch)
+        assert seen == sorted([*train.values(), *val.values()])
+    assert s3.total_gets == 16  # each object once, over both epochs
+
+
 def test_dataset_invalidate_refetches_and_serves_new_content(
     ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
 ):

@@ -41,6 +41,54 @@ def test_list_source_glob_and_explicit_list(s3, s3fs_client, bucket):
     assert by_list.urls() == sorted(urls)
 
 
+def test_a_list_of_prefixes_globs_and_objects_lists_each_in_key_order(
+    s3, s3fs_client, bucket
+):
+    s3fs_client.pipe(
+        {
+            f"{bucket}/val/b.bin": b"bb",
+            f"{bucket}/train/a.bin": b"a",
+            f"{bucket}/train/c.bin": b"ccc",
+            f"{bucket}/test/x.jpg": b"j",
+            f"{bucket}/test/y.txt": b"t",
+        }
+    )
+    opts = s3.storage_options()
+    urls = [
+        f"s3://{bucket}/val/",
+        f"s3://{bucket}/train/",
+        f"s3://{bucket}/test/*.jpg",
+        f"s3://{bucket}/train/a.bin",  # inside a prefix above: listed once
+    ]
+    manifest = list_source(urls, opts)
+    assert manifest.urls() == [
+        f"s3://{bucket}/test/x.jpg",
+        f"s3://{bucket}/train/a.bin",
+        f"s3://{bucket}/train/c.bin",
+        f"s3://{bucket}/val/b.bin",
+    ]
+    assert manifest.sizes.tolist() == [1, 1, 3, 2]
+    # A bucket as an entry is its whole content, as it is alone.
+    whole = list_source([f"s3://{bucket}/"], opts)
+    assert whole.urls() == list_source(f"s3://{bucket}/", opts).urls()
+    with pytest.raises(SourceNotFound, match="nothing-here/' does not exist"):
+        list_source([f"s3://{bucket}/train/", f"s3://{bucket}/nothing-here/"], opts)
+    with pytest.raises(EmptyDatasetError, match=r"\*.png' in urls lists no objects"):
+        list_source([f"s3://{bucket}/train/", f"s3://{bucket}/train/*.png"], opts)
+    with pytest.raises(SourceNotFound, match="a prefix in a list ends with '/'"):
+        list_source([f"s3://{bucket}/train"], opts)
+
+
+def test_a_list_of_local_folders_lists_their_files(tmp_path):
+    for name in ("a/1.bin", "a/2.bin", "b/3.bin"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    listed = list_source([str(tmp_path / "b"), f"{tmp_path}/a/"])
+    assert listed.urls() == [
+        str(tmp_path / n) for n in ("a/1.bin", "a/2.bin", "b/3.bin")
+    ]
+
+
 def test_list_source_missing_bucket_names_url_and_fix(s3):
     with pytest.raises(SourceNotFound, match="does not exist"):
         list_source("s3://no-such-bucket-xyz/train/", s3.storage_options())
