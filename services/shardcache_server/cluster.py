@@ -7,7 +7,8 @@ import os
 import time
 from typing import Any
 
-from shardcache.errors import ShardUnavailable
+from shardcache.errors import IndexUnavailable, ShardUnavailable
+from shardcache.redaction import redact_url
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.store import ray_namespace, start_shard, store_name
 
@@ -48,6 +49,7 @@ def ensure_stores(settings: ServiceSettings, *, wait: bool = True) -> dict[str, 
         return handles
     deadline = time.monotonic() + STORE_START_TIMEOUT_S
     pending = dict(handles)
+    replaced: set[str] = set()
     while pending:
         node, handle = next(iter(pending.items()))
         try:
@@ -58,9 +60,50 @@ def ensure_stores(settings: ServiceSettings, *, wait: bool = True) -> dict[str, 
             if time.monotonic() > deadline:
                 raise _not_started(exc) from exc
             time.sleep(RESTART_POLL_S)
+        except ray.exceptions.RayTaskError as exc:
+            if not isinstance(exc.cause, IndexUnavailable):
+                raise _not_started(exc) from exc
+            if node in replaced or not _started_with_other_redis(handle, settings):
+                raise IndexUnavailable(
+                    f"the cache store on node {node[:12]} cannot reach its Redis: "
+                    f"{exc.cause}"
+                ) from exc.cause
+            # A store started by an earlier script with a Redis it never
+            # reached (a wrong redis_url) serves nobody: this one replaces it.
+            log.warning(
+                "shardcache: replacing the cache store on node %s: it was started "
+                "with a Redis it cannot reach; this process uses %s",
+                node[:12],
+                redact_url(settings.redis_url),
+            )
+            ray.kill(handle, no_restart=True)
+            replaced.add(node)
+            handles[node] = pending[node] = _start_again(settings, node)
         except ray.exceptions.RayError as exc:
             raise _not_started(exc) from exc
     return handles
+
+
+def _started_with_other_redis(handle: Any, settings: ServiceSettings) -> bool:
+    """Whether a store uses another Redis than ``settings`` (compared without
+    the password: the location is what tells two deployments apart)."""
+    import ray
+
+    theirs = ray.get(handle.redis_location.remote(), timeout=STORE_START_TIMEOUT_S)
+    return bool(theirs != redact_url(settings.redis_url))
+
+
+def _start_again(settings: ServiceSettings, node: str) -> Any:
+    """A new store on ``node`` once the killed one's name is free."""
+    deadline = time.monotonic() + STORE_START_TIMEOUT_S
+    while store_for_node(settings.namespace, node) is not None:
+        if time.monotonic() > deadline:
+            raise ShardUnavailable(
+                f"the cache store on node {node[:12]} was killed but its name "
+                "is still taken; run `shardcache local stop` and start again."
+            )
+        time.sleep(RESTART_POLL_S)
+    return start_shard(settings, node)
 
 
 def ensure_stores_for(redis_url: str, namespace: str) -> dict[str, Any]:

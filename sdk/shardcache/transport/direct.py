@@ -113,6 +113,9 @@ class CacheClient:
     def _start_stores(self) -> Any:
         import ray
 
+        # Redis first: a wrong redis_url fails here in seconds, naming it,
+        # and no store is started with a Redis it could never reach.
+        _ = self.index
         # The embedded default starts the stores itself when nobody deployed
         # them: through the named hook, so the sdk imports no cluster code.
         handles = store_starter("ray")(self.redis_url, self.config.namespace)

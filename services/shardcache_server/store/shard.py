@@ -23,6 +23,7 @@ from typing import Any
 
 from shardcache import keys
 from shardcache.errors import StaleVersionError
+from shardcache.redaction import redact_url
 from shardcache.transport.base import Status
 from shardcache.variants import VariantSpec, base_item
 from shardcache_server.eviction import SamplerOrder, make_policy
@@ -151,10 +152,12 @@ class CacheShard:
     def _ensure_started(self) -> None:
         if self._loop is not None:
             return
+        # Connected before the store counts as started: a store that could
+        # not reach Redis tries again at the next call, never serves without
+        # an index (IndexUnavailable, with the redacted URL, reaches the caller).
+        index = ClusterIndex.from_url(self.settings.redis_url, self.settings.namespace)
         self._loop = asyncio.get_running_loop()
-        self._records.index = ClusterIndex.from_url(
-            self.settings.redis_url, self.settings.namespace
-        )
+        self._records.index = index
         # A new incarnation means the previous one (if any) lost its cache.
         self._records.event("store_start", "", incarnation=self.incarnation)
         loops = self._upkeep.start()
@@ -166,6 +169,11 @@ class CacheShard:
         """Start background work and return ``node_id/incarnation``."""
         self._ensure_started()
         return self.me
+
+    async def redis_location(self) -> str:
+        """The Redis this store uses, its password redacted: a process asking
+        with another one learns it without either secret crossing."""
+        return redact_url(self.settings.redis_url)
 
     async def settings_in_use(self) -> dict[str, Any]:
         """The settings this store started with, without the Redis URL and
