@@ -29,12 +29,23 @@ from typing import Any
 import torch
 from torch.utils.data._utils import collate as torch_collate
 
-__all__ = ["as_rows", "collate_tensors", "install"]
+from shardcache.errors import CollateError
+
+__all__ = ["as_rows", "collate_tensors", "install", "mark_ragged"]
 
 # The batches handed out as rows and still alive, by id. Held weakly, and
 # kept here rather than as an attribute of the tensor, which would travel
 # with it through pickle and torch.save.
 _GATHERED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+# Samples of a batch whose shapes differ, handed out one by one: collated,
+# torch's stack would fail with its own RuntimeError; ours says what to do.
+_RAGGED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def mark_ragged(sample: torch.Tensor) -> torch.Tensor:
+    """``sample``, remembered as one of a batch whose shapes differ."""
+    _RAGGED[id(sample)] = sample
+    return sample
 
 
 def as_rows(batch: torch.Tensor) -> list[torch.Tensor]:
@@ -86,7 +97,24 @@ def collate_tensors(batch: list[torch.Tensor], *, collate_fn_map: Any = None) ->
         gathered = whole(batch)
         if gathered is not None:
             return gathered
+    first = batch[0]
+    if _RAGGED.get(id(first)) is first:
+        _check_one_shape(batch)
     return _TORCH_COLLATE(batch, collate_fn_map=collate_fn_map)
+
+
+def _check_one_shape(batch: list[torch.Tensor]) -> None:
+    """CollateError, naming the shapes and the fixes, if ``batch`` has two."""
+    shapes = [tuple(t.shape) for t in batch]
+    other = next((j for j, shape in enumerate(shapes) if shape != shapes[0]), None)
+    if other is None:
+        return
+    raise CollateError(
+        f"samples in one batch have shapes {list(shapes[0])} (sample 0 of the "
+        f"batch) and {list(shapes[other])} (sample {other}); a batch tensor needs "
+        "one shape. Resize or pad in preprocess, or pass collate_fn=list to the "
+        "DataLoader to get each batch as a list of samples."
+    )
 
 
 def install() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -20,13 +21,13 @@ from torch.utils.data import Dataset
 
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
 from shardcache.decoders import as_arrays
-from shardcache.errors import ConfigError
+from shardcache.errors import ConfigError, SampleIndexError
 from shardcache.fingerprint import fingerprint as object_fingerprint
 from shardcache.generations import Generations, open_listing
 from shardcache.job import resolve_job
 from shardcache.loader import BatchLoader
 from shardcache.resume import gather_states, merge_states
-from shardcache.sampler import ShardSampler
+from shardcache.sampler import ShardSampler, check_order
 from shardcache.session import RankSession
 from shardcache.slot import SessionSlot
 from shardcache.spec import DatasetSpec, check_source_dataset
@@ -191,6 +192,7 @@ class DistributedCachedDataset(Dataset[Any]):
         augment: Callable[[Any, np.random.Generator], Any] | None = None,
         variants: int = 1,
     ):
+        check_order(rank, world_size, shuffle, shuffle_block or 0, seed, drop_last)
         spec = DatasetSpec.validate(
             urls,
             preprocess,
@@ -335,16 +337,37 @@ class DistributedCachedDataset(Dataset[Any]):
         self._sampler.set_epoch(epoch)  # calls the slot's start_epoch back
 
     def __getitem__(self, idx: int) -> Any:
-        return self.__getitems__([idx])[0]
+        """Sample ``idx``; a negative one counts from the end, as in a list.
+
+        Raises:
+            SampleIndexError: ``idx`` is out of range or not an integer (an
+                ``IndexError``, so iterating ``ds[i]`` until it raises works).
+        """
+        n = len(self)
+        try:
+            i = operator.index(idx)
+        except TypeError:
+            raise SampleIndexError(
+                f"sample index {idx!r} is a {type(idx).__name__}; pass an integer."
+            ) from None
+        if not -n <= i < n:
+            raise SampleIndexError(
+                f"sample index {i} is out of range for a dataset of {n} samples."
+            )
+        return self.__getitems__([i % n])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """A batch as a list of zero-copy samples (DataLoader's collate stacks them).
 
         ``loader()`` is faster: it gathers straight into the batch tensor.
+
+        Raises:
+            SampleIndexError: an index is out of range or not an integer.
         """
+        idx = self._checked(indices)
         # The batch as asked for (before on_error="skip" stand-ins).
-        self._sampler.audit(np.asarray(indices, dtype=np.int64))
-        return self._here().read_batch(indices, collate=False)
+        self._sampler.audit(idx)
+        return self._here().read_batch(idx, collate=False)
 
     def collated(self, indices: Sequence[int], pin_memory: bool = False) -> Any:
         """One collated batch of ``indices``: ``(B, ...)`` tensors gathered from
@@ -353,8 +376,28 @@ class DistributedCachedDataset(Dataset[Any]):
 
         Raises:
             CollateError: the samples differ in shape.
+            SampleIndexError: an index is out of range or not an integer.
         """
-        return self._here().read_batch(indices, collate=True, pin_memory=pin_memory)
+        idx = self._checked(indices)
+        return self._here().read_batch(idx, collate=True, pin_memory=pin_memory)
+
+    def _checked(self, indices: Sequence[int]) -> np.ndarray:
+        """``indices`` as int64, each in ``[0, len(self))``: a bad one would
+        otherwise read a row of the wrong chunk or fail deep in numpy."""
+        idx = np.asarray(indices)
+        if idx.dtype.kind not in "iu" and idx.size:
+            raise SampleIndexError(
+                f"sample indices must be integers, got {idx.dtype} values "
+                f"such as {idx.flat[0]!r}."
+            )
+        idx = idx.astype(np.int64, copy=False)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            bad = int(idx[(idx < 0) | (idx >= len(self))][0])
+            raise SampleIndexError(
+                f"sample index {bad} is out of range for a dataset of "
+                f"{len(self)} samples (a batch takes indices 0 to {len(self) - 1})."
+            )
+        return idx
 
     def loader(
         self,

@@ -96,8 +96,10 @@ def samples(
     try:
         gathered = collate(chunks, chunk_ids, rows, indices, False, url_of)
     except errors.CollateError:
+        # Shapes differ: each sample its own copy, marked so that DataLoader's
+        # default collate raises CollateError, not torch's stack error.
         return [
-            sample(chunks[c], r, i, url_of)
+            _ragged(sample(chunks[c], r, i, url_of))
             for c, r, i in zip(
                 chunk_ids.tolist(), rows.tolist(), indices.tolist(), strict=True
             )
@@ -209,6 +211,17 @@ def substitute_failed(
         indices[stand_in],
     )
     return chunk_ids, rows, indices, skipped
+
+
+def _ragged(value: Any) -> Any:
+    """Mark every tensor of one sample (fields, target) as ragged."""
+    if isinstance(value, torch.Tensor):
+        return batch_rows.mark_ragged(value)
+    if isinstance(value, dict):
+        return {k: _ragged(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_ragged(v) for v in value)
+    return value
 
 
 def _owned(view: np.ndarray) -> torch.Tensor:

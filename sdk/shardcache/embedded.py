@@ -174,6 +174,32 @@ def local_redis_url() -> str:
         return url
 
 
+PROBE_TIMEOUT_S = 5.0  # a cluster address that accepts no TCP connection in this
+
+
+def _probe(address: str) -> None:
+    """Fail fast where nothing listens at ``address`` (``host:port`` or
+    ``ray://host:port``): Ray itself retries such an address for minutes,
+    logging from its C++ core. Other forms (``auto``, ``local``) go to Ray.
+
+    Raises:
+        ShardUnavailable: the connection was refused or timed out.
+    """
+    import socket
+
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), PROBE_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ShardUnavailable(
+            f"nothing answers at the Ray address {address!r} ({exc}). Check "
+            "ray_address / SHARDCACHE_RAY_ADDRESS / RAY_ADDRESS, or unset them "
+            "all to use the embedded local cluster."
+        ) from exc
+
+
 def attach_ray(
     address: str | None, *, namespace: str | None = None, may_start: bool = True
 ) -> None:
@@ -211,6 +237,7 @@ def attach_ray(
         local_ray.join_local_head(state_dir(), explicit, **kwargs)
         return
     if explicit:
+        _probe(explicit)
         try:
             ray.init(address=explicit, **kwargs)
         except (ConnectionError, RuntimeError, ValueError) as exc:

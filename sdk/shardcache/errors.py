@@ -9,6 +9,7 @@
   + PreprocessError(ShardCacheError)           the user's preprocess raised or returned a non-array
   + TransformError(ShardCacheError)            the user's per-sample transform raised
   + CollateError(ShardCacheError, ValueError)  a batch's samples cannot form one tensor
+  + SampleIndexError(ShardCacheError, IndexError)  a sample index out of range or not an integer
   + ChunkFileError(ShardCacheError)            a chunk file is missing, corrupt or unstorable
   + CorruptChunkError(ShardCacheError)         a cached chunk failed its checksum again after a rebuild
   + SourceFormatError(ShardCacheError, ValueError)  a packed source file is not valid in its format
@@ -47,6 +48,7 @@ __all__ = [
     "IndexUnavailable",
     "PreprocessError",
     "RemoteFetchError",
+    "SampleIndexError",
     "ShardCacheError",
     "ShardUnavailable",
     "ShardedTwiceError",
@@ -94,6 +96,10 @@ class TransformError(ShardCacheError):
 
 class CollateError(ShardCacheError, ValueError):
     """Samples of one batch differ in shape, so they cannot be one batch tensor."""
+
+
+class SampleIndexError(ShardCacheError, IndexError):
+    """A sample index out of the dataset's range, or not an integer."""
 
 
 class ChunkFileError(ShardCacheError):

@@ -20,7 +20,6 @@ from shardcache.changes import describe_changes
 from shardcache.errors import (
     ConfigError,
     RemoteFetchError,
-    ShardUnavailable,
     StaleVersionError,
 )
 from shardcache.fingerprint import log_new_generation
@@ -59,14 +58,15 @@ def open_listing(client: Any, spec: DatasetSpec, job: str) -> tuple[Manifest, st
     token = spec.open_token(job)
     try:
         ref, digest = client.manifest(spec.listing(), token)
-    except (RemoteFetchError, ShardUnavailable) as exc:
+    except RemoteFetchError as exc:
         if not token.startswith("open/"):
             raise
-        # Same type, so callers' handlers still match; the message adds
-        # the opt-out a job with an immutable (or huge) source may want.
+        # Same type, so callers' handlers still match; the message adds the
+        # opt-out a job with an immutable (or huge) source may want. Only
+        # where the source failed: a cluster that cannot start is not helped.
         raise type(exc)(
-            f"{exc} (a new job revalidates the listing of {spec.summary!r}; "
-            "pass revalidate='never' to start on the listing the cluster holds)"
+            f"{exc} (a new job revalidates the listing of {spec.summary!r}; if "
+            "the cluster already holds it, revalidate='never' starts on it)"
         ) from exc
     return client.map_manifest(ref), digest
 

@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shardcache.errors import ShardUnavailable
+from shardcache.errors import ConfigError, ShardUnavailable
 from shardcache.processes import (
     cmdline,
     processes_holding,
@@ -65,6 +65,8 @@ __all__ = [
 
 HEAD_MARKER = "SHARDCACHE_RAY_TEMP_DIR"  # in the env of every process of our head
 LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps to 127.0.0.1
+# How long `ray start --head` may take (a loaded node starts it slowly);
+# SHARDCACHE_RAY_START_TIMEOUT_S sets it.
 RAY_START_TIMEOUT_S = 120.0
 RAY_TEMP_DIR_MAX_CHARS = 40  # session and socket names add ~65 of Ray's 107 bytes
 PROBE_TIMEOUT_S = 0.5  # a TCP connect to our own loopback GCS
@@ -227,13 +229,23 @@ def start_head(home: Path) -> str:
         "--disable-usage-stats", f"--temp-dir={temp_dir}",
         "--port=0",  # never the default 6379 another Ray on the machine may hold
     ]  # fmt: skip
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=RAY_START_TIMEOUT_S, env=env
-    )
+    timeout_s = _start_timeout_s()
+    try:
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout_s, env=env
+        )
+    except subprocess.TimeoutExpired:
+        terminate(head_processes(home))  # what it started so far serves nobody
+        raise ShardUnavailable(
+            f"`ray start --head` did not finish within {timeout_s:.0f} s (a busy "
+            f"machine starts it slowly: set SHARDCACHE_RAY_START_TIMEOUT_S to "
+            f"wait longer). Its logs are under {temp_dir}."
+        ) from None
     if done.returncode != 0:
+        terminate(head_processes(home))
         raise ShardUnavailable(
             f"`ray start --head` failed: {done.stderr.strip()[-500:]}. "
-            f"Its logs are under {temp_dir}; `shardcache local stop` clears it."
+            f"Its logs are under {temp_dir}."
         )
     # With --temp-dir, Ray records the head's address there, not in /tmp/ray.
     address = (temp_dir / "ray_current_cluster").read_text().strip()
@@ -248,6 +260,21 @@ def start_head(home: Path) -> str:
     with os.fdopen(fd, "w") as f:
         json.dump(state, f)
     return address
+
+
+def _start_timeout_s() -> float:
+    """``SHARDCACHE_RAY_START_TIMEOUT_S``, else ``RAY_START_TIMEOUT_S``."""
+    raw = os.environ.get("SHARDCACHE_RAY_START_TIMEOUT_S", "")
+    try:
+        value = float(raw) if raw else RAY_START_TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(
+            f"SHARDCACHE_RAY_START_TIMEOUT_S must be a number of seconds > 0, "
+            f"got {raw!r}."
+        )
+    return value
 
 
 def _auth_env(home: Path) -> dict[str, str]:

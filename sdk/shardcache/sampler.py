@@ -42,10 +42,59 @@ __all__ = [
     "ShardBatchSampler",
     "ShardSampler",
     "batch_bounds",
+    "check_order",
     "first_steps",
 ]
 
 SHUFFLE_MODES = (True, False, "shard", "global")
+
+
+def check_order(
+    rank: int | None,
+    world_size: int | None,
+    shuffle: Any,
+    shuffle_block: Any,
+    seed: Any,
+    drop_last: Any,
+) -> None:
+    """Check the arguments that decide the order, before anything starts: a
+    bad one is a ConfigError at construction, not after a cluster started
+    and the source was listed (or, worse, taken as true: ``drop_last="no"``).
+
+    >>> check_order(None, None, True, 0, 0, False)
+    >>> check_order(None, None, 1, 0, 0, False)
+    Traceback (most recent call last):
+    ...
+    shardcache.errors.ConfigError: shuffle must be True, False, 'shard' or 'global', got 1.
+    """
+    def integer(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    for label, value in (("rank", rank), ("world_size", world_size)):
+        if value is not None and not integer(value):
+            raise ConfigError(f"{label} must be an integer or None, got {value!r}.")
+    if rank is not None and world_size is not None:
+        validate_world(rank, world_size)
+    if not (isinstance(shuffle, bool) or shuffle in ("shard", "global")):
+        raise ConfigError(
+            f"shuffle must be True, False, 'shard' or 'global', got {shuffle!r}."
+        )
+    if not integer(shuffle_block) or shuffle_block < 0:
+        raise ConfigError(
+            f"shuffle_block must be an integer >= 0 (samples), got {shuffle_block!r}."
+        )
+    if shuffle_block and shuffle == "global":
+        raise ConfigError(
+            "shuffle_block shuffles inside a rank's stable shard; it cannot "
+            "be combined with shuffle='global'. Use shuffle=True."
+        )
+    if not integer(seed) or not 0 <= seed < 2**63:
+        raise ConfigError(
+            f"seed must be an integer in [0, 2**63), the same on every rank; "
+            f"got {seed!r}."
+        )
+    if not isinstance(drop_last, bool):
+        raise ConfigError(f"drop_last must be True or False, got {drop_last!r}.")
 
 
 class ShardSampler(DistributedSampler[int]):
@@ -77,22 +126,7 @@ class ShardSampler(DistributedSampler[int]):
         drop_last: bool = False,
         shuffle_block: int = 0,
     ):
-        if rank is not None and world_size is not None:
-            validate_world(rank, world_size)
-        if shuffle not in SHUFFLE_MODES:
-            raise ConfigError(
-                f"shuffle must be one of {SHUFFLE_MODES}, got {shuffle!r}."
-            )
-        if not isinstance(shuffle_block, int) or shuffle_block < 0:
-            raise ConfigError(
-                f"shuffle_block must be an integer >= 0 (samples), got "
-                f"{shuffle_block!r}."
-            )
-        if shuffle_block and shuffle == "global":
-            raise ConfigError(
-                "shuffle_block shuffles inside a rank's stable shard; it cannot "
-                "be combined with shuffle='global'. Use shuffle=True."
-            )
+        check_order(rank, world_size, shuffle, shuffle_block, seed, drop_last)
         self.sizes = np.asarray(chunk_sizes, dtype=np.int64)
         self.n = int(np.sum(self.sizes))
         self._world = LazyWorld(rank, world_size)

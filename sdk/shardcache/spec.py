@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+
+from pydantic import ValidationError
 
 from shardcache.config import ClientConfig
 from shardcache.decoders import as_arrays, raw_bytes
@@ -95,6 +97,34 @@ def open_token(revalidate: str | float, job: str) -> str:
     )
 
 
+def _check_urls(urls: Any) -> None:
+    """``urls`` is a string or a non-empty list of non-empty strings.
+
+    >>> _check_urls(["s3://b/a", 5])
+    Traceback (most recent call last):
+    ...
+    shardcache.errors.ConfigError: urls[1] is an int (5); every entry must be a URL string.
+    """
+    if isinstance(urls, str):
+        if not urls:
+            raise ConfigError("urls is an empty string; pass a prefix, a glob or URLs.")
+        return
+    if isinstance(urls, (bytes, Mapping)) or not hasattr(urls, "__iter__"):
+        raise ConfigError(
+            f"urls must be a URL string or a list of them, got "
+            f"{type(urls).__name__} {urls!r}."
+        )
+    urls = list(urls)
+    if not urls:
+        raise ConfigError("urls is an empty list; pass a prefix, a glob or object URLs.")
+    for i, url in enumerate(urls):
+        if not isinstance(url, str) or not url:
+            raise ConfigError(
+                f"urls[{i}] is {'an' if type(url).__name__[0] in 'aeiou' else 'a'} "
+                f"{type(url).__name__} ({url!r}); every entry must be a URL string."
+            )
+
+
 def _protocol(urls: str | Sequence[str], storage_options: dict[str, Any]) -> str:
     """The scheme of the source, validated (no listing)."""
     first = urls if isinstance(urls, str) else (list(urls) or [""])[0]
@@ -118,8 +148,15 @@ def _client_config(**overrides: Any) -> ClientConfig:
     """Where the cache is: explicit arguments over ``SHARDCACHE_*`` env."""
     try:
         return ClientConfig(**{k: v for k, v in overrides.items() if v is not None})
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    except ValidationError as exc:
+        # Each field and what is wrong, without pydantic's echo of the input
+        # (a redis_url's password) or its links.
+        raise ConfigError(
+            "; ".join(
+                f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+                for e in exc.errors(include_url=False, include_input=False)
+            )
+        ) from None
 
 
 def check_source_dataset(dataset: Any) -> None:
@@ -212,6 +249,21 @@ class DatasetSpec:
         Raises:
             ConfigError: the argument that is wrong, its value and the fix.
         """
+        if source_dataset is None:
+            _check_urls(urls)
+        for label, mapping in (
+            ("storage_options", storage_options),
+            ("format_options", format_options),
+        ):
+            if mapping is not None and not isinstance(mapping, Mapping):
+                raise ConfigError(
+                    f"{label} must be a dict or None, got {type(mapping).__name__}."
+                )
+        if version is not None and not isinstance(version, str):
+            raise ConfigError(
+                f"version must be a string or None, got {type(version).__name__} "
+                f"{version!r}; e.g. version='v2'."
+            )
         for label, fn in (
             ("preprocess", preprocess),
             ("target", target),
@@ -229,7 +281,7 @@ class DatasetSpec:
             ("chunk_bytes", chunk_bytes),
             ("chunk_samples", chunk_samples),
         ):
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{label} must be an integer >= 1, got {value!r}.")
         config = _client_config(
             redis_url=redis_url,

@@ -9,9 +9,11 @@ from torch.utils.data import DataLoader
 
 from shardcache import DistributedCachedDataset
 from shardcache.errors import (
+    CollateError,
     ConfigError,
     EmptyDatasetError,
     PreprocessError,
+    SampleIndexError,
     SourceNotFound,
     TransformError,
 )
@@ -259,6 +261,83 @@ def test_dataset_bad_arguments_are_config_errors(
     _objects(s3fs_client, bucket, count=2)
     with pytest.raises(ConfigError, match=match):
         _ds(s3, bucket, redis_url, "t", **kw)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"urls": []}, "urls is an empty list"),
+        ({"urls": ["/data/a.bin", 5]}, r"urls\[1\] is an int"),
+        ({"urls": None}, "urls must be a URL string"),
+        ({"urls": 5}, "urls must be a URL string"),
+        ({"rank": "0", "world_size": 2}, "rank must be an integer"),
+        ({"rank": 3, "world_size": 2}, "rank"),
+        ({"shuffle": 1}, "shuffle must be True, False"),
+        ({"shuffle": "yes"}, "shuffle must be True, False"),
+        ({"drop_last": "no"}, "drop_last must be True or False"),
+        ({"seed": "a"}, "seed must be an integer"),
+        ({"seed": 1.5}, "seed must be an integer"),
+        ({"seed": 2**70}, "seed must be an integer"),
+        ({"shuffle_block": -1}, "shuffle_block"),
+        ({"chunk_samples": True}, "chunk_samples"),
+        ({"storage_options": "x"}, "storage_options must be a dict"),
+        ({"format_options": ["x"]}, "format_options must be a dict"),
+        ({"version": 3}, "version must be a string"),
+        ({"prefetch_batches": -1}, "^prefetch_batches: Input should be greater"),
+        ({"redis_url": "http://:s3cretPW@10.0.0.1:1/0"}, "^redis_url: redis_url must"),
+    ],
+)
+def test_bad_arguments_are_named_before_anything_starts(kw, match):
+    # Nothing listens at this Redis: an argument reaching it would be
+    # IndexUnavailable, so a ConfigError here was raised before any I/O.
+    kw = {"urls": "/data/train/", "redis_url": "redis://127.0.0.1:1/0", **kw}
+    with pytest.raises(ConfigError, match=match) as err:
+        DistributedCachedDataset(**kw)
+    assert "s3cretPW" not in str(err.value) and "pydantic" not in str(err.value)
+
+
+def test_sample_indices_out_of_range_or_not_integers_are_named(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
+    payload = _objects(s3fs_client, bucket, count=5)
+    ds = _ds(s3, bucket, redis_url, namespace, shuffle=False)
+    last = bytes(ds[4].numpy())
+    assert bytes(ds[-1].numpy()) == last  # counted from the end, as a list
+    for bad in (5, -6, 10**6):
+        with pytest.raises(SampleIndexError, match=f"{bad} is out of range.* 5 "):
+            ds[bad]
+    with pytest.raises(SampleIndexError, match="is a float"):
+        ds[1.0]
+    with pytest.raises(SampleIndexError, match="5 is out of range"):
+        ds.__getitems__([0, 5])
+    with pytest.raises(SampleIndexError, match="-1 is out of range"):
+        ds.collated([-1])
+    with pytest.raises(SampleIndexError, match="must be integers"):
+        ds.__getitems__([0.0, 1.0])
+    assert isinstance(SampleIndexError("x"), IndexError)
+    # Python's iteration protocol stops at the first IndexError: every sample once.
+    assert sorted(bytes(t.numpy()) for t in ds) == sorted(payload.values())
+
+
+def test_samples_of_different_shapes_collated_by_a_dataloader_are_a_collate_error(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
+    s3fs_client.pipe(
+        {f"{bucket}/d/{i:03d}.bin": b"x" * (4 if i == 3 else 8) for i in range(6)}
+    )
+    ds = _ds(s3, bucket, redis_url, namespace, shuffle=False)
+    loader = DataLoader(ds, batch_size=6, sampler=ds.sampler)
+    with pytest.raises(CollateError, match=r"shapes \[8\].*\[4\].*collate_fn=list"):
+        next(iter(loader))
+    # As a list, the batch is what was cached; and other tensors collate as
+    # torch does (its own error, not ours).
+    as_list = next(
+        iter(DataLoader(ds, batch_size=6, sampler=ds.sampler, collate_fn=list))
+    )
+    assert [len(t) for t in as_list] == [8, 8, 8, 4, 8, 8]
+    with pytest.raises(RuntimeError) as err:
+        torch.utils.data.default_collate([torch.zeros(2), torch.zeros(3)])
+    assert not isinstance(err.value, CollateError)
 
 
 def test_dataset_empty_or_missing_source(s3, s3fs_client, bucket, redis_url, tmp_path):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from shardcache import embedded, local_ray, processes
+from shardcache.errors import ConfigError, ShardUnavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # two Ray heads start
 
@@ -104,3 +105,41 @@ def test_running_head_ignores_a_head_started_with_another_token(tmp_path, monkey
         })
     )  # fmt: skip
     assert local_ray.running_head(home) is None
+
+
+def test_a_ray_head_that_starts_too_slowly_is_stopped_and_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDCACHE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    home = embedded.state_dir()
+    # A machine too busy to start Ray in time, stood in for by a short limit.
+    monkeypatch.setenv("SHARDCACHE_RAY_START_TIMEOUT_S", "0.5")
+    with pytest.raises(ShardUnavailable, match="SHARDCACHE_RAY_START_TIMEOUT_S"):
+        local_ray.start_head(home)
+    deadline = time.monotonic() + 30
+    while local_ray.head_processes(home) and time.monotonic() < deadline:
+        time.sleep(0.2)  # `ray start` exits on its own once its child is killed
+    assert local_ray.head_processes(home) == []
+    monkeypatch.setenv("SHARDCACHE_RAY_START_TIMEOUT_S", "soon")
+    with pytest.raises(ConfigError, match="SHARDCACHE_RAY_START_TIMEOUT_S"):
+        local_ray.start_head(home)
+
+
+def test_a_ray_address_where_nothing_listens_fails_fast_and_named(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "from shardcache.embedded import attach_ray\n"
+        f"attach_ray('127.0.0.1:{port}')\n"
+    )
+    # Ray alone retries such an address for minutes (a hang, caught by the
+    # timeout); with the probe it is an error at once.
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("shardcache.errors.ShardUnavailable: nothing answers at")
+    assert f"127.0.0.1:{port}" in last
