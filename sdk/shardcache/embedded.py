@@ -174,7 +174,7 @@ def local_redis_url() -> str:
         return url
 
 
-PROBE_TIMEOUT_S = 5.0  # a cluster address that accepts no TCP connection in this
+PROBE_TIMEOUT_S = 5.0  # an explicit Ray address silent this long is unreachable
 
 
 def _probe(address: str) -> None:

@@ -17,6 +17,7 @@ starts the dataset's epoch too (whichever of the two a trainer calls).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -67,14 +68,15 @@ def check_order(
     ...
     shardcache.errors.ConfigError: shuffle must be True, False, 'shard' or 'global', got 1.
     """
-    def integer(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
+
+    def integer(value: Any) -> bool:  # numpy's integers too, never a bool
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
     for label, value in (("rank", rank), ("world_size", world_size)):
         if value is not None and not integer(value):
             raise ConfigError(f"{label} must be an integer or None, got {value!r}.")
     if rank is not None and world_size is not None:
-        validate_world(rank, world_size)
+        validate_world(int(rank), int(world_size))
     if not (isinstance(shuffle, bool) or shuffle in ("shard", "global")):
         raise ConfigError(
             f"shuffle must be True, False, 'shard' or 'global', got {shuffle!r}."

@@ -157,6 +157,8 @@ def _client_config(**overrides: Any) -> ClientConfig:
                 for e in exc.errors(include_url=False, include_input=False)
             )
         ) from None
+    except ValueError as exc:  # a setting pydantic-settings could not parse
+        raise ConfigError(str(exc)) from None
 
 
 def check_source_dataset(dataset: Any) -> None:
