@@ -343,18 +343,15 @@ class DistributedCachedDataset(Dataset[Any]):
             SampleIndexError: ``idx`` is out of range or not an integer (an
                 ``IndexError``, so iterating ``ds[i]`` until it raises works).
         """
-        n = len(self)
         try:
             i = operator.index(idx)
         except TypeError:
             raise SampleIndexError(
                 f"sample index {idx!r} is a {type(idx).__name__}; pass an integer."
             ) from None
-        if not -n <= i < n:
-            raise SampleIndexError(
-                f"sample index {i} is out of range for a dataset of {n} samples."
-            )
-        return self.__getitems__([i % n])[0]
+        if -len(self) <= i < 0:
+            i += len(self)
+        return self.__getitems__([i])[0]  # the range is checked there
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """A batch as a list of zero-copy samples (DataLoader's collate stacks them).

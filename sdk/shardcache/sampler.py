@@ -77,7 +77,8 @@ def check_order(
             raise ConfigError(f"{label} must be an integer or None, got {value!r}.")
     if rank is not None and world_size is not None:
         validate_world(int(rank), int(world_size))
-    if not (isinstance(shuffle, bool) or shuffle in ("shard", "global")):
+    # 1 == True: only a bool or one of the named modes, never a number.
+    if not (isinstance(shuffle, (bool, str)) and shuffle in SHUFFLE_MODES):
         raise ConfigError(
             f"shuffle must be True, False, 'shard' or 'global', got {shuffle!r}."
         )

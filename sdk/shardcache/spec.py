@@ -116,7 +116,9 @@ def _check_urls(urls: Any) -> None:
         )
     urls = list(urls)
     if not urls:
-        raise ConfigError("urls is an empty list; pass a prefix, a glob or object URLs.")
+        raise ConfigError(
+            "urls is an empty list; pass a prefix, a glob or object URLs."
+        )
     for i, url in enumerate(urls):
         if not isinstance(url, str) or not url:
             raise ConfigError(
@@ -126,12 +128,9 @@ def _check_urls(urls: Any) -> None:
 
 
 def _protocol(urls: str | Sequence[str], storage_options: dict[str, Any]) -> str:
-    """The scheme of the source, validated (no listing)."""
-    first = urls if isinstance(urls, str) else (list(urls) or [""])[0]
-    if not isinstance(urls, str) and not list(urls):
-        raise ConfigError(
-            "urls is an empty list; pass a prefix, a glob or object URLs."
-        )
+    """The scheme of the source (``urls`` passed :func:`_check_urls`), validated
+    (no listing)."""
+    first = urls if isinstance(urls, str) else list(urls)[0]
     open_remote(first, storage_options)
     return first.split("://", 1)[0] if "://" in first else "file"
 

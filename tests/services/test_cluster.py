@@ -161,7 +161,6 @@ def test_ensure_stores_pins_one_detached_store_per_node(
     }
 
 
-
 def test_stores_started_with_an_unreachable_redis_are_replaced_by_a_later_script(
     ray_cluster, node_ids, s3, s3fs_client, bucket, redis_url, namespace
 ):
@@ -177,28 +176,25 @@ def test_stores_started_with_an_unreachable_redis_are_replaced_by_a_later_script
     # The next script, with the right one, reads: the stores the wrong URL
     # started are replaced, not reused without an index.
     s3fs_client.pipe({f"{bucket}/d/{i}.bin": bytes([i]) * 8 for i in range(6)})
-    ds = DistributedCachedDataset(
-        f"s3://{bucket}/d/",
-        storage_options=s3.storage_options(),
-        redis_url=redis_url,
-        namespace=namespace,
-        rank=0,
-        world_size=1,
-    )
+
+    def dataset(url: str) -> DistributedCachedDataset:
+        return DistributedCachedDataset(
+            f"s3://{bucket}/d/",
+            storage_options=s3.storage_options(),
+            redis_url=url,
+            namespace=namespace,
+            rank=0,
+            world_size=1,
+        )
+
+    ds = dataset(redis_url)
     assert sorted(int(ds[i][0]) for i in range(6)) == list(range(6))
     infos = ray.get([store_for_node(namespace, n).info.remote() for n in node_ids])
     assert len(infos) == 2
     # The same wrong URL again, with the stores running on the right one: no
     # store is replaced (they reach their Redis), the wrong one is named.
     with pytest.raises(IndexUnavailable, match=r"127\.0\.0\.1:1"):
-        DistributedCachedDataset(
-            f"s3://{bucket}/d/",
-            storage_options=s3.storage_options(),
-            redis_url=wrong,
-            namespace=namespace,
-            rank=0,
-            world_size=1,
-        )
+        dataset(wrong)
     ds.close()
 
 
