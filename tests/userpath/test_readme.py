@@ -17,6 +17,7 @@ import numpy as np
 import redis as redis_py
 from PIL import Image
 
+from shardcache.embedded import free_port
 from shardcache.spec import default_name
 from shardcache.usage import UsageReader
 
@@ -97,3 +98,50 @@ def test_readme_quickstart_runs_as_written_and_reads_each_object_once(
     assert third.returncode == 0, third.stderr[-4000:]
     assert s3.total_gets == 1
     s3fs_client.rm(BUCKET, recursive=True)
+
+
+def test_readme_quickstart_after_a_run_with_a_wrong_redis_url(
+    fresh_user, s3, s3fs_client
+):
+    """A user who once runs the README's script with a ``redis_url`` where
+    nothing listens gets that Redis named (its password redacted), and the
+    script run next without it works: nothing the wrong run started is
+    reused. Over S3 (the rank lists) and then a local folder (the stores
+    list), starting from a cold Ray head: the stores a wrong run started
+    must never be reused without an index."""
+    user = fresh_user  # the first wrong run starts Ray and the stores
+    bucket = "wrong-redis-bucket"
+    fresh_bucket(s3fs_client, bucket)
+    folder = user.workdir / "images"
+    folder.mkdir()
+    for i in range(16):
+        s3fs_client.pipe(f"{bucket}/train/{i:03d}.png", _png(i))
+        (folder / f"{i:03d}.png").write_bytes(_png(i))
+    code, command = quickstart()
+    env = {"AWS_ENDPOINT_URL": s3.storage_options()["client_kwargs"]["endpoint_url"]}
+    for source in (f"s3://{bucket}/train/", f"{folder}/"):
+        script = code.replace("s3://my-bucket/train/", source)
+        port = free_port()
+        wrong = script.replace(
+            "preprocess=decode_image_chw)",
+            "preprocess=decode_image_chw, "
+            f'redis_url="redis://:hunter2@127.0.0.1:{port}/0")',
+        )
+        assert wrong != script, "the quick start's call no longer ends as expected"
+
+        user.write("train.py", wrong)
+        failed = user.python(*command[1:], env=env)
+        assert failed.returncode != 0
+        # What the project says (the exception's line), not the script's
+        # own source line that Python's traceback quotes.
+        said = [ln for ln in failed.stderr.splitlines() if "IndexUnavailable:" in ln]
+        assert said, failed.stderr[-4000:]
+        assert all(f"127.0.0.1:{port}" in ln and "hunter2" not in ln for ln in said)
+
+        user.write("train.py", script)
+        s3.reset_counts()
+        done = user.python(*command[1:], env=env)
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert "Traceback" not in done.stderr
+        assert s3.total_gets == (16 if source.startswith("s3://") else 0)
+    s3fs_client.rm(bucket, recursive=True)
