@@ -33,26 +33,38 @@ def _botocore(body: bytes) -> dict[str, Any]:
 
     model = botocore.session.get_session().get_service_model("s3")
     shape = model.operation_model("ListObjectsV2").output_shape
-    return RestXMLParser().parse({"body": body, "headers": {}, "status_code": 200}, shape)
+    return RestXMLParser().parse(
+        {"body": body, "headers": {}, "status_code": 200}, shape
+    )
+
+
+def _take(body: bytes) -> tuple[dict[str, Any], bytes]:
+    """What the reader takes out of a 200 page, and the page it leaves."""
+    response = {"body": body, "headers": {}, "status_code": 200}
+    taken: dict[str, Any] = {}
+    list_pages._take_objects(response, taken)
+    return taken, response["body"]
 
 
 @pytest.mark.parametrize("encoding", [False, True], ids=["xml-escaped", "url-encoded"])
-def test_real_pages_read_the_same_objects_as_botocore(s3, s3fs_client, bucket, encoding):
+def test_real_pages_read_the_same_objects_as_botocore(
+    s3, s3fs_client, bucket, encoding
+):
     s3fs_client.pipe({f"{bucket}/p/{n}": b"x" * (i + 1) for i, n in enumerate(NAMES)})
     body = _raw_page(s3, bucket, "p/", encoding)
     whole = _botocore(body)
     if encoding:  # what botocore's after-call handler does to the keys it parsed
         for obj in whole["Contents"]:
             obj["Key"] = unquote_plus(obj["Key"])
-    response = {"body": body, "headers": {}, "status_code": 200}
-    taken: dict[str, Any] = {}
-    list_pages._take_objects(response, taken)
+    taken, left = _take(body)
     assert len(taken[OBJECTS]) == len(NAMES)
-    rest = _botocore(response["body"])
+    rest = _botocore(left)
     assert "Contents" not in rest and rest["KeyCount"] == whole["KeyCount"]
     rest.update(taken)
     assert page_objects(rest) == page_objects(whole)
-    assert sorted(k for k, _, _ in page_objects(rest)) == sorted(f"p/{n}" for n in NAMES)
+    assert sorted(k for k, _, _ in page_objects(rest)) == sorted(
+        f"p/{n}" for n in NAMES
+    )
 
 
 def test_every_page_of_a_listing_is_read_by_the_fast_reader(
@@ -60,12 +72,16 @@ def test_every_page_of_a_listing_is_read_by_the_fast_reader(
 ):
     # 2,500 keys over 3 pages and a sub-prefix: each page's objects came out of
     # its bytes (none left to botocore), and the manifest is what s3fs sees.
-    s3fs_client.pipe({f"{bucket}/f/{i:05d} é.bin": b"x" * (i % 7 + 1) for i in range(2500)})
+    s3fs_client.pipe(
+        {f"{bucket}/f/{i:05d} é.bin": b"x" * (i % 7 + 1) for i in range(2500)}
+    )
     s3fs_client.pipe({f"{bucket}/f/sub/{n}": b"yy" for n in NAMES})
     pages: list[int] = []
     take = list_pages._take_objects
 
-    def spy(response_dict: dict[str, Any], customized_response_dict: dict[str, Any], **kw):
+    def spy(
+        response_dict: dict[str, Any], customized_response_dict: dict[str, Any], **kw
+    ):
         take(response_dict, customized_response_dict, **kw)
         pages.append(len(customized_response_dict.get(OBJECTS, [-1])))
 
@@ -92,11 +108,44 @@ def test_a_page_it_does_not_model_is_left_to_botocore_whole():
         b"<Contents><Key><![CDATA[a<b.bin]]></Key><ETag>&quot;e&quot;</ETag>"
         b"<Size>3</Size></Contents><IsTruncated>false</IsTruncated></ListBucketResult>"
     )
-    response = {"body": body, "headers": {}, "status_code": 200}
-    taken: dict[str, Any] = {}
-    list_pages._take_objects(response, taken)
-    assert taken == {} and response["body"] is body
+    taken, rest = _take(body)
+    assert taken == {} and rest is body
     assert page_objects(_botocore(body)) == [("a<b.bin", 3, "e")]
+
+
+@pytest.mark.parametrize(
+    "between, etag",
+    [
+        (b"<Marker>x</Marker>", b"&quot;e&quot;"),  # an element between two objects
+        (b"", b"&quot;e&amp;f&quot;"),  # an ETag with an entity besides its quotes
+    ],
+)
+def test_a_page_with_more_than_its_objects_is_left_to_botocore(between, etag):
+    # Every object matches alone, yet the page holds something the reader does
+    # not take: the matches must cover the objects' run without a gap.
+    body = (
+        b"<ListBucketResult><Contents><Key>a</Key><ETag>&quot;e&quot;</ETag>"
+        b"<Size>1</Size></Contents>"
+        + between
+        + b"<Contents><Key>b</Key><ETag>"
+        + etag
+        + b"</ETag><Size>2</Size></Contents></ListBucketResult>"
+    )
+    taken, rest = _take(body)
+    assert taken == {} and rest is body
+
+
+def test_a_page_in_s3s_layout_is_taken_with_whitespace_and_entities():
+    body = (
+        b"<ListBucketResult>\n  <Contents>\n    <Key>a &amp; b</Key>\n"
+        b"    <ETag>&quot;e1&quot;</ETag>\n    <Size>3</Size>\n"
+        b"    <StorageClass>STANDARD</StorageClass>\n  </Contents>\n"
+        b'  <Contents><Key>c\xc3\xa9</Key><ETag>"e2"</ETag><Size>4</Size></Contents>\n'
+        b"<IsTruncated>false</IsTruncated></ListBucketResult>"
+    )
+    taken, rest = _take(body)
+    assert taken[OBJECTS] == [("a & b", 3, "e1"), ("cé", 4, "e2")]
+    assert b"<Contents>" not in rest and b"IsTruncated" in rest
 
 
 @pytest.mark.parametrize("operation", ["ListObjectsV2", "HeadObject"])
@@ -109,11 +158,17 @@ def test_the_listing_client_still_turns_a_200_error_page_into_a_retry(s3, operat
     from shardcache_server.list_pages import fast_pages
 
     async def emit() -> tuple[dict[str, Any], dict[str, Any]]:
-        fs = s3fs.S3FileSystem(asynchronous=True, skip_instance_cache=True, **s3.storage_options())
+        fs = s3fs.S3FileSystem(
+            asynchronous=True, skip_instance_cache=True, **s3.storage_options()
+        )
         client = await fs.set_session()
         fast_pages(client)
         model = client.meta.service_model.operation_model(operation)
-        error = {"status_code": 200, "headers": {}, "body": b"<Error><Code>SlowDown</Code></Error>"}
+        error = {
+            "status_code": 200,
+            "headers": {},
+            "body": b"<Error><Code>SlowDown</Code></Error>",
+        }
         page = {"status_code": 200, "headers": {}, "body": _PAGE}
         taken: dict[str, Any] = {}
         for response, custom in ((error, {}), (page, taken)):
