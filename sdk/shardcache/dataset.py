@@ -30,8 +30,12 @@ from shardcache.resume import gather_states, merge_states
 from shardcache.sampler import ShardSampler, check_order
 from shardcache.session import RankSession
 from shardcache.slot import SessionSlot
+from shardcache.source import check_local_paths
 from shardcache.spec import DatasetSpec, check_source_dataset
-from shardcache.transport.read_path import open_for_this_process
+from shardcache.transport.read_path import (
+    open_for_this_process,
+    stores_are_this_machines,
+)
 from shardcache.world import World
 
 __all__ = ["DistributedCachedDataset"]
@@ -220,6 +224,10 @@ class DistributedCachedDataset(Dataset[Any]):
             seed=seed,
         )
         self._job = resolve_job(job)
+        if spec.protocol in ("file", "local") and stores_are_this_machines(spec.config):
+            # The embedded head's stores see exactly this machine's files: a
+            # path that is not here fails now, not after a head start (10-25 s).
+            check_local_paths(urls)
         client = open_for_this_process(
             spec.config, ships_objects=source_dataset is not None
         )

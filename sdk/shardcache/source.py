@@ -6,13 +6,15 @@ list them (``shardcache_server.objects.list_source``) and read them.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from typing import Any
 
 import fsspec
 
-from shardcache.errors import ConfigError
+from shardcache.errors import ConfigError, SourceNotFound
 
-__all__ = ["SUPPORTED_PROTOCOLS", "open_remote"]
+__all__ = ["SUPPORTED_PROTOCOLS", "check_local_paths", "open_remote"]
 
 # Schemes whose filesystems we test; others are refused rather than half-working.
 SUPPORTED_PROTOCOLS = (
@@ -57,3 +59,36 @@ def open_remote(
             f"cannot open {url!r} with storage_options keys "
             f"{sorted(storage_options or {})}: {exc}"
         ) from exc
+
+
+def _local_root(url: str) -> str:
+    """The part of a local URL that must exist: the path before its first
+    glob character's directory, or the whole path."""
+    path = url.split("://", 1)[-1]
+    magic = min((i for i in map(path.find, "*?[") if i >= 0), default=-1)
+    if magic < 0:
+        return path
+    return os.path.dirname(path[:magic]) or "."  # "*.npy": the working directory
+
+
+def check_local_paths(urls: str | Sequence[str]) -> None:
+    """Each local URL's root exists on this machine.
+
+    Only for a cache whose stores all run here (the embedded head): elsewhere
+    a store may see files this process does not, and its listing decides.
+
+    >>> check_local_paths(["/", "/no/such/dir/*.npy"])
+    Traceback (most recent call last):
+    ...
+    shardcache.errors.SourceNotFound: local path '/no/such/dir' (of '/no/such/dir/*.npy') does not exist on this machine, where the embedded cache reads it. Check the path.
+    """
+    for url in [urls] if isinstance(urls, str) else urls:
+        if "://" in url and not url.startswith(("file://", "local://")):
+            continue
+        root = _local_root(url)
+        if not os.path.exists(root):
+            of = "" if root == url else f" (of {url!r})"
+            raise SourceNotFound(
+                f"local path {root!r}{of} does not exist on this machine, where "
+                "the embedded cache reads it. Check the path."
+            )

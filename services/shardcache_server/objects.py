@@ -18,6 +18,7 @@ import os
 import posixpath
 import random
 import re
+import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -62,6 +63,12 @@ def _version_of(fs: Any, info: dict[str, Any]) -> str:
 
 
 def _not_found(url: str) -> SourceNotFound:
+    if "://" not in url or url.startswith(("file://", "local://")):
+        return SourceNotFound(
+            f"local path {url!r} does not exist on the node that lists it "
+            f"({socket.gethostname()}). Check the path; local files must be at "
+            "the same path on every node of the cache."
+        )
     return SourceNotFound(
         f"source {url!r} does not exist (bucket or prefix not found). "
         "Check the URL and storage_options (endpoint, credentials)."

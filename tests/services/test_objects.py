@@ -94,6 +94,13 @@ def test_list_source_missing_bucket_names_url_and_fix(s3):
         list_source("s3://no-such-bucket-xyz/train/", s3.storage_options())
 
 
+def test_list_source_missing_local_dir_names_the_path_and_node(tmp_path):
+    with pytest.raises(
+        SourceNotFound, match=r"local path '.*/nope/' does not exist on"
+    ):
+        list_source(f"{tmp_path}/nope/")
+
+
 def test_list_source_missing_prefix_is_not_found(s3, s3fs_client, bucket):
     s3fs_client.pipe({f"{bucket}/real/a": b"a"})
     with pytest.raises(SourceNotFound):

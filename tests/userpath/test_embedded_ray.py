@@ -205,3 +205,20 @@ def test_second_home_does_not_join_the_first_homes_cache(user, tmp_path):
         assert "InvalidAuthToken" in done.stderr or "Authentication" in done.stderr
     finally:
         other.shardcache("local", "stop", timeout=60)
+
+
+def test_a_local_path_that_is_not_there_is_named_before_a_head_starts(user):
+    # A typo in the path of the first script: under the embedded head the
+    # stores see this machine's files, so the rank names the path at once
+    # instead of after starting Redis and a Ray head (10-25 s) for nothing.
+    data = _data(user)
+    for missing in (f"{data}-typo/", f"{data}/nope/*.npy"):
+        script = user.write("train.py", TRAIN)
+        done = user.torchrun(script, missing)
+        assert done.returncode != 0
+        said = [ln for ln in done.stderr.splitlines() if "SourceNotFound:" in ln]
+        assert said, done.stderr[-3000:]
+        root = missing if "*" not in missing else f"{data}/nope"
+        assert all(f"local path {root!r}" in ln for ln in said), said
+        assert not (_state(user) / "ray.json").exists()  # nothing was started
+        assert not (_state(user) / "redis.json").exists()
