@@ -143,6 +143,7 @@ class SessionSlot:
         """``DistributedCachedDataset.state_dict``: the position and what was read."""
         return {
             **self.sampler.state(),
+            "dataset": self.spec.name,
             "consumed": self.session.consumed if consumed is None else int(consumed),
             "manifest": self.generations.digest,
             "generation": self.generations.generation,
@@ -173,6 +174,7 @@ class SessionSlot:
             explain=explain,
             on_change=on_change,
             layout=layout_digest(self.sampler.sizes),
+            dataset=self.spec.name,
         )
         session.consumed = session.cursor = consumed
         return crossed_listing(state, digest, explain, self.spec.name)

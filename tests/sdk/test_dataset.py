@@ -29,10 +29,10 @@ def _objects(s3fs_client, bucket, count=24, prefix="d"):
     return payload
 
 
-def _ds(s3, bucket, redis_url, namespace, **kw):
+def _ds(s3, bucket, redis_url, namespace, prefix="d", **kw):
     kw.setdefault("storage_options", s3.storage_options())
     return DistributedCachedDataset(
-        f"s3://{bucket}/d/", redis_url=redis_url, namespace=namespace, **kw
+        f"s3://{bucket}/{prefix}/", redis_url=redis_url, namespace=namespace, **kw
     )
 
 
@@ -191,6 +191,41 @@ def test_dataset_resume_from_state_dict_continues_with_unseen(
     ]
     full = [bytes(ds[i].numpy()) for i in ds.sampler.order(1)]
     assert seen + rest == full
+
+
+def test_a_damaged_or_foreign_state_is_named_and_changes_nothing(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
+    _objects(s3fs_client, bucket, count=12)
+    _objects(s3fs_client, bucket, count=12, prefix="other")
+    ds = _ds(s3, bucket, redis_url, namespace, seed=5)
+    it = iter(DataLoader(ds, batch_size=4, sampler=ds.sampler, collate_fn=list))
+    next(it)
+    state = ds.state_dict()
+    other = _ds(s3, bucket, redis_url, namespace, prefix="other", seed=5)
+    # Same size, seed and world: only the name tells the states apart, and no
+    # on_change= makes another dataset's positions this one's.
+    for on_change in ("error", "new_listing"):
+        with pytest.raises(ConfigError, match="saved by dataset .*, not by this one"):
+            other.load_state_dict(state, on_change=on_change)
+    fresh = _ds(s3, bucket, redis_url, namespace, seed=5)
+    damaged = {
+        "a count past the epoch": {**state, "consumed": 10**9},
+        "a negative count": {**state, "consumed": -5},
+        "a text epoch": {**state, "epoch": "zero"},
+        "another version": {**state, "version": 7},
+        "no state at all": {},
+        "a string": "state.pt",
+        "None": None,
+    }
+    for case, bad in damaged.items():
+        with pytest.raises(ConfigError) as err:
+            fresh.load_state_dict(bad)
+        assert "state_dict" in str(err.value), case
+    # Nothing of a refused state was applied: the whole epoch is still to come.
+    assert len(list(fresh.sampler)) == len(fresh.sampler) == 12
+    fresh.load_state_dict(state)
+    assert len(list(fresh.sampler)) == 12 - 4
 
 
 def test_dataset_random_transform_sees_fresh_randomness_each_epoch(

@@ -23,7 +23,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from shardcache.errors import ConfigError
-from shardcache.resume.state import current_node, gather_nodes, merge_states
+from shardcache.resume.state import (
+    check_state,
+    current_node,
+    gather_nodes,
+    merge_states,
+)
 
 __all__ = ["ON_CHANGE", "apply_state", "check_on_change", "crossed_listing"]
 
@@ -59,6 +64,7 @@ def apply_state(
     *,
     on_change: str = "error",
     layout: str | None = None,
+    dataset: str,
 ) -> int:
     """Point ``sampler`` (a ShardSampler) at the rest of the saved epoch; returns
     the samples this rank already consumed of its (new) order.
@@ -71,7 +77,8 @@ def apply_state(
     changed between the saved listing and this one (the error names it).
     ``on_change`` says what a state saved on another listing does (module
     docstring); ``layout`` is this listing's :func:`layout_digest`, which a
-    ``"new_listing"`` resume needs to equal the saved one.
+    ``"new_listing"`` resume needs to equal the saved one. ``dataset`` is
+    this dataset's name, which a state saved by another must not carry.
 
     Raises:
         ConfigError: another seed, mode or listing (``on_change="error"``),
@@ -80,6 +87,7 @@ def apply_state(
             nodes.
     """
     check_on_change(on_change)
+    check_state(state, dataset)
     merged = None
     if not isinstance(state, Mapping) or isinstance(state.get("consumed"), list):
         merged = merge_states([state] if isinstance(state, Mapping) else state)
@@ -141,6 +149,14 @@ def apply_state(
         consumed = int(merged["consumed"][sampler.rank])
     else:
         consumed = int(state["consumed"])
+    # (Inside an epoch that was itself resumed elastically the order is that
+    # plan's; its own length is checked by the plan.)
+    if state.get("resumed_from") is None and consumed > len(sampler):
+        raise ConfigError(
+            f"state_dict has consumed={consumed} but rank {sampler.rank}'s epoch "
+            f"has {len(sampler)} samples; it was saved with other settings or "
+            "changed. Pass the dict that state_dict() returned, unchanged."
+        )
     sampler.use_basis(state.get("basis"))
     if state.get("resumed_from") is not None:
         # Saved inside an epoch that was itself resumed elastically.

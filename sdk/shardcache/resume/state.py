@@ -7,6 +7,7 @@ its rank, how many samples it consumed and the node it ran on.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from numbers import Integral
 from typing import Any
 
 from shardcache.errors import ConfigError
@@ -15,6 +16,7 @@ __all__ = [
     "STATE_VERSION",
     "WORLD_KEYS",
     "by_rank",
+    "check_state",
     "current_node",
     "gather_nodes",
     "gather_states",
@@ -25,6 +27,7 @@ __all__ = [
 STATE_VERSION = 1  # bumped when the meaning of a saved state changes
 # Keys every rank of one world must agree on; merge_states checks them.
 WORLD_KEYS = (
+    "dataset",
     "manifest",
     "layout",
     "epoch",
@@ -63,6 +66,76 @@ def world_state(
         "plan_nodes": None,
         "basis": None,
     }
+
+
+_INT_KEYS = ("epoch", "seed", "world_size")
+
+
+def check_state(state: Any, dataset: str) -> None:
+    """``state`` is what :meth:`state_dict` (or a merge of them) saved, for
+    ``dataset``: checked before any of it is used, so a damaged or foreign
+    state is named instead of resuming at a wrong place.
+
+    Raises:
+        ConfigError: not a state (or a list of them), a field missing or of
+            the wrong type, a negative count, another state version, or the
+            state of another dataset.
+
+    >>> check_state({"version": 1, "epoch": 0, "seed": 0, "world_size": 1,
+    ...              "mode": "shard", "consumed": -5}, "d")
+    Traceback (most recent call last):
+    ...
+    shardcache.errors.ConfigError: state_dict has consumed=-5; a count of consumed samples is an integer >= 0. Pass the dict that state_dict() or gather_state_dict() returned, unchanged.
+    """
+    fix = "Pass the dict that state_dict() or gather_state_dict() returned, unchanged."
+    if isinstance(state, Mapping):
+        states = [state]
+    elif isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
+        states = list(state)
+        if not states or not all(isinstance(s, Mapping) for s in states):
+            raise ConfigError(
+                f"load_state_dict got a list of {[type(s).__name__ for s in states]}; "
+                f"it takes every rank's state_dict() (dicts), in any order. {fix}"
+            )
+    else:
+        raise ConfigError(
+            f"load_state_dict got a {type(state).__name__}, not a state_dict. {fix}"
+        )
+    for s in states:
+        missing = [k for k in ("version", *_INT_KEYS, "mode", "consumed") if k not in s]
+        if missing:
+            raise ConfigError(
+                f"state_dict lacks {', '.join(missing)}: it is not a state saved by "
+                f"this dataset's state_dict(). {fix}"
+            )
+        if s["version"] != STATE_VERSION:
+            raise ConfigError(
+                f"state_dict has version={s['version']!r}; this shardcache reads "
+                f"version {STATE_VERSION}. Resume with the release that saved it."
+            )
+        saved = s.get("dataset")
+        if saved is not None and saved != dataset:
+            raise ConfigError(
+                f"state_dict was saved by dataset {saved!r}, not by this one "
+                f"({dataset!r}); load the state this dataset saved."
+            )
+        for key in _INT_KEYS:
+            if not _count(s[key]):
+                raise ConfigError(
+                    f"state_dict has {key}={s[key]!r}; it is an integer >= 0. {fix}"
+                )
+        consumed = s["consumed"]
+        counts = consumed if isinstance(consumed, list) else [consumed]
+        if not counts or not all(_count(c) for c in counts):
+            raise ConfigError(
+                f"state_dict has consumed={consumed!r}; a count of consumed samples "
+                f"is an integer >= 0. {fix}"
+            )
+
+
+def _count(value: Any) -> bool:
+    """An integer >= 0 (numpy's too), never a bool."""
+    return isinstance(value, Integral) and not isinstance(value, bool) and value >= 0
 
 
 def by_rank(
