@@ -32,7 +32,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "shardcache_sample_bytes_total": (
         "counter",
         ("dataset", "origin"),
-        "bytes of samples delivered to ranks, by origin",
+        "source-object bytes (listed sizes) of the samples delivered to ranks, by origin",
     ),
     "shardcache_hits_total": (
         "counter",

@@ -208,14 +208,26 @@ def rank_rows(index: RedisIndex, usage: UsageReader, name: str) -> list[dict[str
                 "state": u.state(now, RANK_SILENT_AFTER_S) if u else "running",
             }
         )
-    # A straggler is the rank that waited: by its p99 batch wait, or by the
-    # total time its loop was blocked (a rank can be slow without a bad p99).
-    # Each needs a minimum margin too: a p99 of a few dozen batches is one
-    # slow batch (an epoch's first), not a slow rank.
-    p99s = [r["wait_p99_ms"] for r in rows]
-    blocks = [r["blocked_s"] or 0.0 for r in rows]
+    # A straggler is the rank of a job that waited while that job's other
+    # ranks did not (ranks of another job, cold while this one is warm, are
+    # not its peers): by its p99 batch wait, or by the total time its loop
+    # was blocked (a rank can be slow without a bad p99).
+    by_job: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_job.setdefault(r["job"], []).append(r)
+    for peers in by_job.values():
+        _flag_stragglers(peers)
+    return rows
+
+
+def _flag_stragglers(peers: list[dict[str, Any]]) -> None:
+    """Set ``straggler`` on each of one job's rank rows. Each comparison needs
+    a minimum margin too: a p99 of a few dozen batches is one slow batch (an
+    epoch's first), not a slow rank."""
+    p99s = [r["wait_p99_ms"] for r in peers]
+    blocks = [r["blocked_s"] or 0.0 for r in peers]
     median_p99, median_blocked = _median(p99s), _median([b for b in blocks if b])
-    for i, r in enumerate(rows):
+    for i, r in enumerate(peers):
         p99, base_p99 = p99s[i], _others(p99s, i, median_p99)
         blocked, base_blocked = blocks[i], _others(blocks, i, median_blocked)
         r["straggler"] = bool(
@@ -230,4 +242,3 @@ def rank_rows(index: RedisIndex, usage: UsageReader, name: str) -> list[dict[str
                 and blocked - base_blocked >= STRAGGLER_MIN_EXTRA_S
             )
         )
-    return rows

@@ -473,7 +473,9 @@ def test_a_gone_store_is_counted_by_no_view(filled, redis_url):
     )
     assert "deadbeef" not in json.dumps(body["nodes"])
     assert "deadbeef" not in client.get("/metrics").text
-    listed = CliRunner().invoke(app, ["ls", "--redis-url", redis_url, "--namespace", ns])
+    listed = CliRunner().invoke(
+        app, ["ls", "--redis-url", redis_url, "--namespace", ns]
+    )
     assert listed.exit_code == 0 and "deadbeef" not in listed.output
 
 
@@ -490,3 +492,20 @@ def test_two_ranks_with_one_slow_batch_are_not_stragglers(redis_url):
     index.record_rank("images", "st", 0, {"wait_p99_ms": 400.0, "hits": 5})
     ranks = TestClient(create_app(redis_url, ns)).get("/api/ranks/images").json()
     assert [r["straggler"] for r in ranks["ranks"]] == [True, False]
+
+
+def test_a_rank_is_compared_with_its_own_jobs_ranks_only(redis_url):
+    """A cold job's ranks waited longer than a warm job's: neither job has a
+    straggler, since ranks of another job are not a rank's peers."""
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    index = ClusterIndex.from_url(redis_url, ns)
+    for job, p99 in (("cold", 400.0), ("warm", 2.0)):
+        for rank in (0, 1):
+            index.record_rank("images", job, rank, {"wait_p99_ms": p99, "hits": 5})
+    app_ = create_app(redis_url, ns)
+    ranks = TestClient(app_).get("/api/ranks/images").json()["ranks"]
+    assert len(ranks) == 4 and not any(r["straggler"] for r in ranks)
+    index.record_rank("images", "warm", 1, {"wait_p99_ms": 300.0, "hits": 5})
+    ranks = TestClient(app_).get("/api/ranks/images").json()["ranks"]
+    flagged = [(r["job"], r["rank"]) for r in ranks if r["straggler"]]
+    assert flagged == [("warm", "1")]

@@ -27,7 +27,8 @@ WAIT_EPOCH_FIELD = "wait_us:e"  # per-epoch blocked time lives in the rank hash 
 
 @dataclass(frozen=True)
 class UsageTotals:
-    """Samples and bytes the ranks delivered, by origin, plus blocked time.
+    """Samples the ranks delivered and their source-object bytes (listed
+    sizes, not decoded tensors), by origin, plus blocked time.
 
     >>> t = UsageTotals(samples_local=2000, samples_source=1000)
     >>> round(t.hit_rate, 3), t.gets_saved
