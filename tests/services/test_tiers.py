@@ -158,6 +158,38 @@ def test_store_disk_tier_serves_ram_misses_and_survives_restart(
     assert s3.total_gets == cold_gets  # zero GETs after the restart
 
 
+def test_store_snapshot_counts_chunks_held_only_in_the_disk_tier(
+    s3, s3fs_client, bucket, redis_url, tmp_path
+):
+    # What `shardcache verify` compares with the index: a chunk evicted from
+    # memory keeps its index entry while its file serves it, so it is held.
+    cfg, index, spec, items = _setup(
+        s3,
+        s3fs_client,
+        bucket,
+        redis_url,
+        cache_bytes=CHUNKS // 4 * _chunk_nbytes(),
+        eviction="lru",
+        disk_dir=str(tmp_path / "disk"),
+    )
+
+    async def held_after_an_epoch():
+        shard = local_shard(cfg)
+        await shard.install(spec, raw_bytes)
+        await _epochs(shard, items, 1)
+        await shard.flush_disk()
+        held = await shard.snapshot("ds")
+        await shard.close()
+        return held
+
+    held = asyncio.run(held_after_an_epoch())
+    entries = index.entries("ds", index.generation("ds"))
+    assert len(entries) == CHUNKS and set(entries) <= set(held)
+    assert all(held[c]["etag"] == e["etag"] for c, e in entries.items())
+    tiers = [v["tier"] for v in held.values()]
+    assert tiers.count("memory") <= CHUNKS // 4 < tiers.count("disk")
+
+
 def test_store_disk_tier_keeps_chunks_larger_than_the_whole_memory_budget(
     s3, s3fs_client, bucket, redis_url, redis, tmp_path
 ):

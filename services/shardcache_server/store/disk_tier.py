@@ -173,6 +173,16 @@ class DiskTier:
         with self._lock:
             return [k for ds, k in self._files if ds == dataset]
 
+    def header(self, dataset: str, chunk: str) -> dict[str, Any] | None:
+        """The chunk file's header (version, generation, fingerprint...), or
+        ``None`` when it is gone or unreadable. The columns are mapped, not
+        read."""
+        try:
+            columns, meta = read_chunk_file(self.path(dataset, chunk))
+        except (ChunkFileError, OSError):
+            return None
+        return {**meta, "nbytes": int(sum(v.nbytes for v in columns.values()))}
+
     def is_intact(self, dataset: str, chunk: str) -> bool:
         """Whether the chunk's file exists and its contents match its checksum."""
         try:

@@ -492,9 +492,30 @@ class CacheShard:
         }
 
     async def snapshot(self, dataset: str) -> dict[str, dict[str, Any]]:
-        """What this store holds for ``dataset``: url -> etag, generation, bytes."""
-        return {
-            url: {"etag": c.etag, "generation": c.generation, "nbytes": c.nbytes}
+        """What this store holds for ``dataset``: chunk -> etag, generation,
+        bytes and tier, in memory or only in the disk tier (a chunk evicted
+        from memory keeps its index entry while its file serves it)."""
+        held = {
+            url: {
+                "etag": c.etag,
+                "generation": c.generation,
+                "nbytes": c.nbytes,
+                "tier": "memory",
+            }
             for (ds, url), c in self._table.items()
             if ds == dataset
         }
+        if self._spill is not None:
+            disk = self._spill.disk
+            for chunk in disk.chunks(dataset):
+                if chunk in held:
+                    continue
+                meta = await asyncio.to_thread(disk.header, dataset, chunk)
+                if meta is not None:
+                    held[chunk] = {
+                        "etag": meta.get("version"),
+                        "generation": meta.get("generation"),
+                        "nbytes": meta["nbytes"],
+                        "tier": "disk",
+                    }
+        return held
