@@ -204,10 +204,16 @@ def build_members(
             req.span,
         )
     members = manifest.members(req.lo, req.hi)
-    if req.protocol in LOCAL_PROTOCOLS and req.preprocess is decode_npy and not req.bases:
+    if (
+        req.protocol in LOCAL_PROTOCOLS
+        and req.preprocess is decode_npy
+        and not req.bases
+    ):
         column = read_npy_column(members)
         if column is not None:  # else a member is unusual: the general path below
-            built = column_chunk(column, [m[0] for m in members], _targets(req, members))
+            built = column_chunk(
+                column, [m[0] for m in members], _targets(req, members)
+            )
             return _sealed(built, len(members), sum(m[2] for m in members), {}, started)
     copies = req.reuse if req.bases and req.reuse is not None else np.zeros((0, 3))
     reuse = {int(r) for r in copies[:, 0]}
@@ -248,7 +254,9 @@ def build_members(
     return _sealed(built, reads, bytes_read, errors, started)
 
 
-def _targets(req: BuildRequest, members: list[tuple[str, str, int]]) -> list[Any] | None:
+def _targets(
+    req: BuildRequest, members: list[tuple[str, str, int]]
+) -> list[Any] | None:
     return None if req.target is None else [req.target(url) for url, _, _ in members]
 
 
@@ -354,7 +362,16 @@ class RayChunkBuilder:
     async def build(
         self, req: BuildRequest | VariantRequest
     ) -> tuple[Any, dict[str, Any]]:
+        import ray
+
         async with self._sem:
             columns_ref, report_ref = self._task.remote(self._settings, req)
-            report = await report_ref
+            try:
+                report = await report_ref
+            except ray.exceptions.RayTaskError as exc:
+                # The project's own error reaches the rank as itself, not as
+                # a BackendError carrying a Ray traceback.
+                if isinstance(exc.cause, ShardCacheError):
+                    raise exc.cause from None
+                raise
         return columns_ref, report

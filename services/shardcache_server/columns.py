@@ -35,9 +35,14 @@ def build_chunk(
 ) -> dict[str, np.ndarray]:
     """Lay preprocessed samples out as columns; ``None`` marks a failed member.
 
+    A sample whose fields differ from most of the chunk's (a packed sample
+    missing a member, e.g. a tar shard without one sample's ``.cls``) is a
+    failed member, with a ``PreprocessError`` naming both field sets: the
+    rank raises it, or skips that sample alone with ``on_error="skip"``.
+
     Raises:
-        PreprocessError: the samples disagree on their fields, dtypes or number
-            of dimensions (the message names two members that differ).
+        PreprocessError: the samples disagree on their dtypes or number of
+            dimensions (the message names two members that differ).
 
     >>> cols = build_chunk([np.zeros(2), np.ones(2)])
     >>> cols["_"].shape
@@ -50,21 +55,44 @@ def build_chunk(
     ok = [i for i, s in enumerate(samples) if s is not None]
     cols: dict[str, np.ndarray] = {}
     failed = np.array([s is None for s in samples], dtype=bool)
+    errors = dict(errors or {})
+    if ok:
+        ok = _same_fields(samples, ok, names, failed, errors)
     if ok:
         first = _fields(samples[ok[0]])
-        for i in ok:
-            fields = _fields(samples[i])
-            if fields.keys() != first.keys():
-                raise PreprocessError(
-                    f"preprocess returned fields {sorted(fields)} for {names[i]!r} "
-                    f"but {sorted(first)} for {names[ok[0]]!r}; every sample of a "
-                    "dataset must have the same fields."
-                )
         for field, ref in first.items():
             arrays = [_fields(samples[i])[field] for i in ok]
             cols.update(_field_columns(field, arrays, ok, n, ref, names))
     cols[FAILED] = failed
     return _finish(cols, errors, names, targets)
+
+
+def _same_fields(
+    samples: Sequence[Value | None],
+    ok: list[int],
+    names: Sequence[str],
+    failed: np.ndarray,
+    errors: dict[int, tuple[str, str]],
+) -> list[int]:
+    """The rows of ``ok`` whose fields are the chunk's most common set; each
+    other row is marked failed in ``failed`` and ``errors``."""
+    keys = [tuple(sorted(_fields(samples[i]))) for i in ok]
+    common = max(set(keys), key=lambda k: (keys.count(k), -keys.index(k)))
+    model = ok[keys.index(common)]
+    kept = []
+    for i, k in zip(ok, keys, strict=True):
+        if k == common:
+            kept.append(i)
+            continue
+        failed[i] = True
+        errors[i] = (
+            "PreprocessError",
+            f"sample {names[i]!r} has fields {list(k)} but {names[model]!r} has "
+            f"{list(common)}: every sample of a dataset must have the same fields "
+            "(a packed sample may be missing a member, e.g. a tar shard without "
+            "one of its files). Fix the source, or pass on_error='skip'.",
+        )
+    return kept
 
 
 def column_chunk(

@@ -13,8 +13,11 @@ from pathlib import Path
 import numpy as np
 
 
-def tar_bytes(count: int, start: int = 0, payload: int = 100) -> bytes:
-    """A WebDataset shard: ``{i:06d}.bin`` (payload) and ``{i:06d}.cls`` (label)."""
+def tar_bytes(
+    count: int, start: int = 0, payload: int = 100, missing: str = ""
+) -> bytes:
+    """A WebDataset shard: ``{i:06d}.bin`` (payload) and ``{i:06d}.cls`` (label),
+    without the member named ``missing`` (a broken shard)."""
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w") as tar:
         for i in range(start, start + count):
@@ -22,6 +25,8 @@ def tar_bytes(count: int, start: int = 0, payload: int = 100) -> bytes:
                 ("bin", bytes([i % 256]) * payload),
                 ("cls", str(i).encode()),
             ):
+                if f"{i:06d}.{ext}" == missing:
+                    continue
                 info = tarfile.TarInfo(f"train/{i:06d}.{ext}")
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))

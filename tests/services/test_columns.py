@@ -57,10 +57,22 @@ def test_build_chunk_failed_member_is_marked_and_rest_served():
     [
         ([np.zeros(2, np.float32), np.zeros(2, np.int64)], "dtype"),
         ([np.zeros(2), np.zeros((2, 2))], "dimensions"),
-        ([{"a": np.zeros(1)}, {"b": np.zeros(1)}], "same fields"),
     ],
 )
 def test_build_chunk_disagreeing_samples_name_both_members(samples, match):
     with pytest.raises(PreprocessError, match=match) as err:
         build_chunk(samples, names=["s3://b/x", "s3://b/y"])
     assert "s3://b/x" in str(err.value) and "s3://b/y" in str(err.value)
+
+
+def test_a_sample_with_other_fields_fails_alone_and_names_both_sets():
+    # A tar sample missing its .cls: the others build, it is a failed member
+    # (the rank raises PreprocessError for it, or skips it alone).
+    samples = [{"jpg": np.zeros(2), "cls": np.int64(i)} for i in range(4)]
+    samples[2] = {"jpg": np.zeros(2)}
+    names = [f"s.tar#b{i}" for i in range(4)]
+    chunk = Chunk(build_chunk(samples, names=names))
+    kind, message = chunk.error(2)
+    assert kind == "PreprocessError" and "s.tar#b2" in message and "'cls'" in message
+    assert [chunk.error(i) for i in (0, 1, 3)] == [None] * 3
+    assert int(chunk.sample(3)["cls"]) == 3

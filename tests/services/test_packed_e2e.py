@@ -284,6 +284,26 @@ def test_local_tar_and_npy_read_each_byte_once_through_a_counting_filesystem(
     assert opens == {files[0]: 1, files[1]: 1, files[2]: 2 + 4}
 
 
+def test_a_tar_sample_missing_a_member_is_named_alone(
+    ray_cluster, redis_url, namespace, tmp_path
+):
+    # The build fails that sample alone, as the project's own error naming the
+    # member set, not the chunk as a BackendError carrying a Ray traceback.
+    from shardcache import DistributedCachedDataset
+    from shardcache.errors import PreprocessError
+
+    (tmp_path / "s-0.tar").write_bytes(tar_bytes(10, missing="000005.cls"))
+    ds = DistributedCachedDataset(
+        f"{tmp_path}/s-0.tar", redis_url=redis_url, namespace=namespace,
+        rank=0, world_size=1, chunk_samples=10,
+    )  # fmt: skip
+    with pytest.raises(PreprocessError, match=r"000005.*\['bin'\].*'cls'") as err:
+        ds[5]
+    assert "ray::" not in str(err.value) and "on_error='skip'" in str(err.value)
+    assert [bytes(ds[i]["cls"].numpy()).decode() for i in (4, 6)] == ["4", "6"]
+    ds.close()
+
+
 def test_parquet_on_s3_rows_read_once_with_footer_read_once(
     ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
 ):
