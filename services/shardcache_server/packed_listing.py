@@ -93,6 +93,7 @@ def list_packed(
         units = _dataset_units(spec, chunk_samples)
         return PackedManifest.from_files(protocol, DATASET_FORMAT, units, options)
     fmt = get_format(spec["format"])
+    fmt.check_options(options)
     files = _files(spec, fmt.extensions, budget)
     storage_options = spec.get("storage_options") or {}
     fs, _ = open_remote(files[0][0], storage_options)

@@ -103,6 +103,25 @@ def test_parquet_rows_keep_numeric_dtypes_and_columns_are_selectable(tmp_path):
         list_packed(_spec(url, "parquet", format_options={"columns": ["nope"]}), None)
 
 
+@pytest.mark.parametrize(
+    "name, fmt, options, match",
+    [
+        ("b.parquet", "parquet", {"colums": ["id"]}, "did you mean 'columns'"),
+        ("b.parquet", "parquet", {"columns": "id"}, "must be a list of names"),
+        ("c.h5", "hdf5", {"dataset": ["x"]}, "did you mean 'datasets'"),
+        ("a.tar", "tar", {"columns": ["x"]}, "it takes none"),
+    ],
+)
+def test_format_options_it_does_not_read_are_named_before_listing(
+    tmp_path, name, fmt, options, match
+):
+    # A misspelled key was ignored (every column came back) and a string was
+    # taken letter by letter ("no column(s) ['i', 'd']").
+    _local_files(tmp_path)
+    with pytest.raises(ConfigError, match=match):
+        list_packed(_spec(str(tmp_path / name), fmt, format_options=options), None)
+
+
 def test_hdf5_npy_and_lmdb_rows_equal_the_source(tmp_path):
     _local_files(tmp_path)
     h5 = _samples(list_packed(_spec(str(tmp_path / "c.h5"), "hdf5"), None))

@@ -18,12 +18,14 @@ downloads the file once per node.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from shardcache.errors import ConfigError
 from shardcache.packed_manifest import FileUnits
 from shardcache_server.fetch import read_ranges
 
@@ -79,9 +81,38 @@ class SourceFormat:
 
     name = ""
     extensions: tuple[str, ...] = ()
+    # The format_options it reads, each a list of names (columns, datasets);
+    # None: not declared (a user's format), so not checked.
+    options: tuple[str, ...] | None = None
     # True when the listing reads every byte of a unit and offers it to
     # ``SourceFile.keep``, and ``read_samples`` uses ``UnitRequest.data``.
     keeps_spans = False
+
+    def check_options(self, options: dict[str, Any]) -> None:
+        """``format_options`` holds only :attr:`options`, each a list of names.
+
+        Raises:
+            ConfigError: an unknown key (the nearest known one suggested) or
+                a value that is not a list of strings.
+        """
+        if self.options is None:
+            return
+        for key, value in options.items():
+            if key not in self.options:
+                near = difflib.get_close_matches(str(key), self.options, n=1)
+                takes = ", ".join(map(repr, self.options)) or "none"
+                hint = f"; did you mean {near[0]!r}?" if near else "."
+                raise ConfigError(
+                    f"format {self.name!r} takes no format_options key {key!r} "
+                    f"(it takes {takes}){hint}"
+                )
+            if not isinstance(value, (list, tuple)) or not all(
+                isinstance(v, str) for v in value
+            ):
+                raise ConfigError(
+                    f"format_options[{key!r}] must be a list of names, got "
+                    f"{type(value).__name__} {value!r}; e.g. {{{key!r}: ['x']}}."
+                )
 
     def list_file(
         self,

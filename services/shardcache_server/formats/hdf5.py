@@ -306,6 +306,7 @@ def _decode(
 
 class Hdf5Format(SourceFormat):
     name = "hdf5"
+    options = ("datasets",)
     extensions = FORMAT_EXTENSIONS["hdf5"]
 
     def list_file(

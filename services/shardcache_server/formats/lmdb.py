@@ -158,6 +158,7 @@ def _open(file: SourceFile) -> Any:
 
 class LmdbFormat(SourceFormat):
     name = "lmdb"
+    options = ()
     extensions = FORMAT_EXTENSIONS["lmdb"]
 
     def list_file(

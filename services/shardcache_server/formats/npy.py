@@ -70,6 +70,7 @@ def _header(file: SourceFile) -> tuple[tuple[int, ...], np.dtype, int]:
 
 class NpyFormat(SourceFormat):
     name = "npy"
+    options = ()
     extensions = FORMAT_EXTENSIONS["npy"]
 
     def list_file(

@@ -263,6 +263,7 @@ def _parsed(unit: UnitRequest) -> _Parsed:
 
 class ParquetFormat(SourceFormat):
     name = "parquet"
+    options = ("columns",)
     extensions = FORMAT_EXTENSIONS["parquet"]
 
     def list_file(

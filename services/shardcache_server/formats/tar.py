@@ -123,6 +123,7 @@ class _Tee:
 
 class TarFormat(SourceFormat):
     name = "tar"
+    options = ()
     extensions = FORMAT_EXTENSIONS["tar"]
     keeps_spans = True
 
