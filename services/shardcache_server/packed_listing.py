@@ -48,9 +48,16 @@ def _files(
             if listed.url(i).lower().endswith(extensions)
         ]
     if not files:
+        held = (
+            f"it holds {len(listed)} other object(s), such as {listed.url(0)!r}"
+            if len(listed)
+            else "it holds no objects"
+        )
         raise EmptyDatasetError(
             f"source {spec['urls']!r} lists no {spec['format']} files "
-            f"({', '.join(extensions)}). Check the URL or pass format=."
+            f"({', '.join(extensions)}): {held}. Check the URL, or pass the "
+            "format those files are in (format= is optional: the extension "
+            "names it)."
         )
     return files
 

@@ -22,7 +22,7 @@ from packed_files import (
 
 from shardcache.chunks import Chunk
 from shardcache.decoders import as_arrays
-from shardcache.errors import ConfigError, SourceFormatError
+from shardcache.errors import ConfigError, EmptyDatasetError, SourceFormatError
 from shardcache_server.packed_build import build_unit
 from shardcache_server.packed_listing import list_packed
 from shardcache_server.spans import SpanKeeper
@@ -120,6 +120,12 @@ def test_format_options_it_does_not_read_are_named_before_listing(
     _local_files(tmp_path)
     with pytest.raises(ConfigError, match=match):
         list_packed(_spec(str(tmp_path / name), fmt, format_options=options), None)
+
+
+def test_a_format_that_matches_no_file_names_what_the_source_holds(tmp_path):
+    _local_files(tmp_path)
+    with pytest.raises(EmptyDatasetError, match=r"no hdf5 files .*such as '.*f\.npy'"):
+        list_packed(_spec(str(tmp_path / "f.npy"), "hdf5"), None)
 
 
 def test_hdf5_npy_and_lmdb_rows_equal_the_source(tmp_path):
