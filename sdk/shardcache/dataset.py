@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
 from shardcache.decoders import as_arrays
+from shardcache.embedded import joins_embedded_head
 from shardcache.errors import ConfigError, SampleIndexError
 from shardcache.fingerprint import fingerprint as object_fingerprint
 from shardcache.generations import Generations, open_listing
@@ -32,10 +33,7 @@ from shardcache.session import RankSession
 from shardcache.slot import SessionSlot
 from shardcache.source import check_local_paths
 from shardcache.spec import DatasetSpec, check_source_dataset
-from shardcache.transport.read_path import (
-    open_for_this_process,
-    stores_are_this_machines,
-)
+from shardcache.transport.read_path import open_for_this_process
 from shardcache.world import World
 
 __all__ = ["DistributedCachedDataset"]
@@ -224,13 +222,17 @@ class DistributedCachedDataset(Dataset[Any]):
             seed=seed,
         )
         self._job = resolve_job(job)
-        if spec.protocol in ("file", "local") and stores_are_this_machines(spec.config):
-            # The embedded head's stores see exactly this machine's files: a
-            # path that is not here fails now, not after a head start (10-25 s).
-            check_local_paths(urls)
         client = open_for_this_process(
             spec.config, ships_objects=source_dataset is not None
         )
+        if (
+            spec.protocol in ("file", "local")
+            and client.needs_ray
+            and joins_embedded_head(spec.config.ray_address)
+        ):
+            # The embedded head's stores see exactly this machine's files: a
+            # path that is not here fails now, not after a head start (10-25 s).
+            check_local_paths(urls)
         manifest, digest = open_listing(client, spec, self._job.id)
         self.spec = spec.settle(manifest)
         self._sampler = ShardSampler(

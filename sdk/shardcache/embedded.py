@@ -18,6 +18,7 @@ import secrets
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -260,6 +261,17 @@ def attach_ray(
         address = found or local_ray.start_head(home)
     # Outside the lock: every rank of the machine joins at once.
     local_ray.join_local_head(home, address, **kwargs)
+
+
+def joins_embedded_head(address: str | None) -> bool:
+    """Whether :func:`attach_ray` would join this user's embedded head (on
+    loopback, this machine's alone) for ``address``: nothing joined yet, and
+    no address but the head's own. Starts and imports nothing."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return False  # a cluster joined before: a Ray Train worker, an actor
+    explicit = address or os.environ.get("RAY_ADDRESS")
+    return not explicit or explicit == local_ray.recorded_address(state_dir())
 
 
 def start_loopback_cluster(

@@ -73,23 +73,6 @@ def _ray_inherited_by_fork() -> bool:
     return ray is not None and bool(ray.is_initialized())
 
 
-def stores_are_this_machines(config: ClientConfig) -> bool:
-    """Whether every store this process would read through runs on this
-    machine: the embedded Ray head (loopback only, this user's alone) with no
-    endpoint, remote service, Ray address or joined Ray cluster in sight.
-    Starts and imports nothing."""
-    ray = sys.modules.get("ray")
-    return not (
-        config.endpoint
-        or config.node_name
-        or config.allow_remote
-        or config.ray_address
-        or os.environ.get("RAY_ADDRESS")
-        or os.path.exists(DEFAULT_SOCKET)
-        or (ray is not None and ray.is_initialized())
-    )
-
-
 def open_for_this_process(
     config: ClientConfig, *, forked: bool = False, ships_objects: bool = False
 ) -> Any:
