@@ -8,6 +8,7 @@ mask and error JSON) is documented in :mod:`shardcache.chunks`, beside the
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,7 +78,8 @@ def _same_fields(
     """The rows of ``ok`` whose fields are the chunk's most common set; each
     other row is marked failed in ``failed`` and ``errors``."""
     keys = [tuple(sorted(_fields(samples[i]))) for i in ok]
-    common = max(set(keys), key=lambda k: (keys.count(k), -keys.index(k)))
+    # Most common first; a tie goes to the set seen first.
+    common = Counter(keys).most_common(1)[0][0]
     model = ok[keys.index(common)]
     kept = []
     for i, k in zip(ok, keys, strict=True):

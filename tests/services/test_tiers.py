@@ -48,6 +48,20 @@ def _setup(s3, s3fs_client, bucket, redis_url, **settings):
     return cfg, index, spec, items
 
 
+def _quarter_in_ram_and_disk(s3, s3fs_client, bucket, redis_url, tmp_path):
+    """:func:`_setup` for a store whose RAM holds a quarter of the chunks
+    (LRU) and whose disk tier holds them all."""
+    return _setup(
+        s3,
+        s3fs_client,
+        bucket,
+        redis_url,
+        cache_bytes=CHUNKS // 4 * _chunk_nbytes(),
+        eviction="lru",
+        disk_dir=str(tmp_path / "disk"),
+    )
+
+
 def _chunk_nbytes() -> int:
     """One chunk of 4 x 100 B samples: the stacked column, failed flags, "{}",
     the 8-byte checksum."""
@@ -122,14 +136,8 @@ def test_store_gets_at_half_cache_clairvoyant_equals_belady_min_and_beats_static
 def test_store_disk_tier_serves_ram_misses_and_survives_restart(
     s3, s3fs_client, bucket, redis_url, redis, tmp_path, new_node
 ):
-    cfg, index, spec, items = _setup(
-        s3,
-        s3fs_client,
-        bucket,
-        redis_url,
-        cache_bytes=CHUNKS // 4 * _chunk_nbytes(),  # RAM holds a quarter
-        eviction="lru",
-        disk_dir=str(tmp_path / "disk"),
+    cfg, index, spec, items = _quarter_in_ram_and_disk(
+        s3, s3fs_client, bucket, redis_url, tmp_path
     )
     expected = {i: bytes([i]) * 100 for i in range(PER_CHUNK * CHUNKS)}
 
@@ -163,14 +171,8 @@ def test_store_snapshot_counts_chunks_held_only_in_the_disk_tier(
 ):
     # What `shardcache verify` compares with the index: a chunk evicted from
     # memory keeps its index entry while its file serves it, so it is held.
-    cfg, index, spec, items = _setup(
-        s3,
-        s3fs_client,
-        bucket,
-        redis_url,
-        cache_bytes=CHUNKS // 4 * _chunk_nbytes(),
-        eviction="lru",
-        disk_dir=str(tmp_path / "disk"),
+    cfg, index, spec, items = _quarter_in_ram_and_disk(
+        s3, s3fs_client, bucket, redis_url, tmp_path
     )
 
     async def held_after_an_epoch():
