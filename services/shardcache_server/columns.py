@@ -77,6 +77,9 @@ def _same_fields(
 ) -> list[int]:
     """The rows of ``ok`` whose fields are the chunk's most common set; each
     other row is marked failed in ``failed`` and ``errors``."""
+    first = _fields(samples[ok[0]]).keys()
+    if all(_fields(samples[i]).keys() == first for i in ok):
+        return ok  # the usual chunk: one key-view comparison per sample
     keys = [tuple(sorted(_fields(samples[i]))) for i in ok]
     # Most common first; a tie goes to the set seen first.
     common = Counter(keys).most_common(1)[0][0]
