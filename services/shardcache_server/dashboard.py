@@ -10,7 +10,6 @@ shown apart, as store traffic (``overview.py``).
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +26,7 @@ from shardcache.errors import ConfigError, IndexUnavailable
 from shardcache.index import RedisIndex
 from shardcache.usage import ORIGINS, UsageReader, UsageTotals
 from shardcache_server.charts import line_chart_svg
+from shardcache_server.dashboard_login import is_authorised, login, login_form
 from shardcache_server.metrics import RedisCollector
 from shardcache_server.overview import dataset_overview, node_rows, rank_rows
 
@@ -60,8 +60,9 @@ def create_app(
     Args:
         redis_url: the index (credentials are never shown on any page).
         namespace: the deployment to show.
-        token: when set, every route but ``/healthz`` needs ``Authorization: Bearer <token>``
-            (or ``?token=`` for the page itself).
+        token: when set, every route but ``/healthz`` and ``/login`` needs
+            ``Authorization: Bearer <token>`` or the session cookie that the
+            page's form gets from ``/login`` (``dashboard_login.py``).
         follow: where the index is now, asked when it cannot be reached: the
             embedded Redis comes back on another port after ``shardcache
             local stop`` and the next script, and the page follows it.
@@ -88,16 +89,11 @@ def create_app(
         state["url"] = url
         return True
 
-    def authorised(request: Request) -> bool:
-        if not token:
-            return True
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        given = given or request.query_params.get("token", "")
-        return hmac.compare_digest(given.encode(), token.encode())
-
     def guarded(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
         async def run(request: Request) -> Response:
-            if not authorised(request):
+            if not is_authorised(request, token):
+                if handler is page:  # a browser: the form, not a bare 401
+                    return login_form(request)
                 return PlainTextResponse(
                     "missing or wrong bearer token",
                     status_code=401,
@@ -211,6 +207,9 @@ def create_app(
             return PlainTextResponse("redis unreachable", status_code=503)
         return PlainTextResponse("ok")
 
+    async def sign_in(request: Request) -> Response:
+        return await login(request, token)
+
     return Starlette(
         routes=[
             Route("/", guarded(page)),
@@ -221,6 +220,7 @@ def create_app(
             Route("/api/events", guarded(events)),
             Route("/metrics", guarded(metrics)),
             Route("/healthz", healthz),
+            Route("/login", sign_in, methods=["POST"]),
         ]
     )
 

@@ -175,6 +175,25 @@ def test_dashboard_bearer_token_required_when_set(filled, redis_url):
         == 200
     )
     assert client.get("/healthz").status_code == 200
+    # Never from a URL: history and proxy logs keep it.
+    assert client.get("/api/overview?token=s3cret").status_code == 401
+    bookmark = client.get("/?token=s3cret")
+    assert bookmark.status_code == 401 and "<form" in bookmark.text
+    assert "no longer read from the URL" in bookmark.text
+    assert "s3cret" not in bookmark.text
+    wrong = client.post("/login", data={"token": "guess"}, follow_redirects=False)
+    assert wrong.status_code == 401 and "Wrong token" in wrong.text
+    assert not client.cookies
+    right = client.post("/login", data={"token": "s3cret"}, follow_redirects=False)
+    assert right.status_code == 303
+    cookie = right.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=strict" in cookie
+    assert "s3cret" not in cookie  # an HMAC of the token, not the token
+    assert client.get("/api/overview").status_code == 200  # the cookie rides along
+    assert client.get("/").status_code == 200
+    other = TestClient(create_app(redis_url, ns, token="another"))
+    other.cookies = client.cookies
+    assert other.get("/api/overview").status_code == 401
 
 
 def test_dashboard_redis_down_is_503_not_traceback():
@@ -397,7 +416,10 @@ def test_dashboard_page_in_headless_chromium_shows_rank_reported_hit_rate(
     port = _free_port()
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(redis_url, ns), host="127.0.0.1", port=port, log_level="warning"
+            create_app(redis_url, ns, token="s3cret"),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
         )
     )
     thread = threading.Thread(target=server.run, daemon=True)
@@ -421,7 +443,12 @@ def test_dashboard_page_in_headless_chromium_shows_rank_reported_hit_rate(
             )
             page = browser.new_page()
             page.goto(f"http://127.0.0.1:{port}/")
+            # With a token, the page asks for it in a form, then its polls
+            # carry the session cookie; the token never enters a URL.
+            page.fill("input[name='token']", "s3cret")
+            page.click("button[type='submit']")
             page.wait_for_selector("body[data-loaded='1']", timeout=20000)
+            assert page.url == f"http://127.0.0.1:{port}/"
             page.wait_for_selector("svg.chart")
             assert page.inner_text("td.hit-rate[data-dataset='images']") == "66.7%"
             assert page.inner_text("td.gets-saved[data-dataset='images']") == str(
