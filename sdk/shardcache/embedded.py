@@ -135,15 +135,21 @@ def start_redis_server(
         if password
         else f"redis://127.0.0.1:{port}/0"
     )
-    deadline = time.monotonic() + REDIS_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if _redis_alive(url):
-            return proc, url
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    proc.kill()
-    raise IndexUnavailable(f"redis-server did not start on 127.0.0.1:{port}.")
+    try:
+        deadline = time.monotonic() + REDIS_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if _redis_alive(url):
+                return proc, url
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        proc.kill()
+        raise IndexUnavailable(f"redis-server did not start on 127.0.0.1:{port}.")
+    finally:
+        # Read once at start-up; left behind, each restart's file would keep
+        # one more password on disk after `shardcache local stop`.
+        if password:
+            conf.unlink(missing_ok=True)
 
 
 def running_redis_url() -> str | None:

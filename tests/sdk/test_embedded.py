@@ -77,6 +77,20 @@ def test_local_stop_stops_only_the_ray_head_and_redis_shardcache_started(
         processes.terminate(processes.processes_naming(str(foreign)))
 
 
+def test_the_embedded_redis_keeps_no_password_file_once_it_answers(tmp_path):
+    import redis
+
+    proc, url = embedded.start_redis_server(tmp_path, password="pw-in-a-file")
+    try:
+        assert list(tmp_path.glob("redis-*.conf")) == []  # read at start-up only
+        assert redis.Redis.from_url(url).ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(url.replace(":pw-in-a-file@", "")).get("x")
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 def _alive(pid: int) -> bool:
     return processes.is_alive(pid)
 
