@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +44,40 @@ def _best_ms(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return float(np.median(times) * 1e3)
+
+
+def _mark() -> tuple[float, int, int, int]:
+    """This thread's CPU seconds, involuntary and voluntary context switches
+    and minor page faults so far (Linux ``RUSAGE_THREAD``)."""
+    r = resource.getrusage(resource.RUSAGE_THREAD)
+    return time.thread_time(), r.ru_nivcsw, r.ru_nvcsw, r.ru_minflt
+
+
+def _tail(waits: list[float], marks: list) -> dict:
+    """Where the slow batches' time went. A batch whose wall time exceeds its
+    CPU time was off the core: preempted (an involuntary switch: another
+    process took the core) or blocked (a voluntary one). One whose CPU time is
+    its wall time did more work (page faults, the collector, our code)."""
+    wall = np.asarray(waits)
+    cpu, invol, vol, faults = (np.asarray(c) for c in zip(*marks, strict=True))
+    slow = wall > 2 * np.median(wall)
+    quiet = (invol == 0) & (vol == 0)
+
+    def ms(x: np.ndarray, q: float) -> float | None:
+        return round(float(np.percentile(x, q) * 1e3), 4) if len(x) else None
+
+    return {
+        "batches_over_2x_p50": int(slow.sum()),
+        "of_them_preempted": int((slow & (invol > 0)).sum()),
+        "of_them_blocked": int((slow & (vol > 0) & (invol == 0)).sum()),
+        "of_them_on_cpu_throughout": int((slow & quiet).sum()),
+        "slow_off_cpu_ms_median": ms(wall[slow] - cpu[slow], 50),
+        "slow_page_faults_median": float(np.median(faults[slow])) if slow.any() else None,
+        "all_page_faults_median": float(np.median(faults)),
+        "p99_ms_batches_never_switched": ms(wall[quiet], 99),
+        "p50_ms_batches_never_switched": ms(wall[quiet], 50),
+        "share_never_switched": round(float(quiet.mean()), 4),
+    }
 
 
 def main() -> None:
@@ -79,15 +114,17 @@ def main() -> None:
         for _ in loader:  # the cold epoch: builds and maps every chunk
             pass
         waits: list[float] = []
+        marks: list[tuple[float, int, int, int]] = []  # per batch, see _tail
         batch_bytes = 0
         for epoch in range(1, 1 + args.epochs):
             ds.set_epoch(epoch)
-            t = time.perf_counter()
+            t, mark = time.perf_counter(), _mark()
             for batch in loader:
-                now = time.perf_counter()
+                now, after = time.perf_counter(), _mark()
                 waits.append(now - t)
+                marks.append(tuple(b - a for a, b in zip(mark, after, strict=True)))
                 batch_bytes = batch.numel() * batch.element_size()
-                t = now
+                t, mark = now, after
         ds.close()
     finally:
         ray.shutdown()
@@ -118,6 +155,7 @@ def main() -> None:
         "of_memcpy": round(memcpy_ms / loader_ms, 3),
         "overhead_ms_per_batch": round(loader_ms - gather_ms, 4),
         "samples_per_s": round(args.batch / loader_ms * 1e3),
+        "tail": _tail(waits, marks),
     }
     print(json.dumps(result, indent=1))
 
