@@ -37,7 +37,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "shardcache_hits_total": (
         "counter",
         ("dataset",),
-        "samples delivered from the cache (origin local or peer)",
+        "samples delivered from the cache (origin local, disk or peer)",
     ),
     "shardcache_misses_total": (
         "counter",
