@@ -19,6 +19,7 @@ import json
 import os
 import resource
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -51,6 +52,68 @@ def _mark() -> tuple[float, int, int, int]:
     and minor page faults so far (Linux ``RUSAGE_THREAD``)."""
     r = resource.getrusage(resource.RUSAGE_THREAD)
     return time.thread_time(), r.ru_nivcsw, r.ru_nvcsw, r.ru_minflt
+
+
+def _cpu_by_thread() -> dict[tuple[str, str], tuple[str, int]]:
+    """Nanoseconds on a CPU of every thread on the machine (``schedstat``)."""
+    seen = {}
+    for stat in Path("/proc").glob("[0-9]*/task/[0-9]*/schedstat"):
+        try:
+            ns = int(stat.read_text().split()[0])
+            comm = (stat.parent / "comm").read_text().strip()
+            proc = (stat.parents[2] / "comm").read_text().strip()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        seen[(stat.parts[2], stat.parts[4])] = (f"{proc}/{comm}", ns)
+    return seen
+
+
+def _ours() -> set[str]:
+    """This process and its descendants: the Ray head it started (GCS,
+    raylet, workers, the store actor) and the Redis it started."""
+    children: dict[str, list[str]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = stat.read_text().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(stat.parts[2])
+    ours, todo = set(), [str(os.getpid())]
+    while todo:
+        pid = todo.pop()
+        ours.add(pid)
+        todo += children.get(pid, [])
+    return ours
+
+
+def _others(before: dict, after: dict, wall_s: float) -> dict:
+    """Who else ran while the warm epochs were timed: every thread but this
+    one, by CPU milliseconds, against the epochs' wall time; this run's own
+    processes apart from the rest of the machine. On 2 cores a thread that
+    runs while the loop wants the core is what preempts it."""
+    me = (str(os.getpid()), str(threading.get_native_id()))
+    ours = _ours()
+    used: dict[str, float] = {}
+    elsewhere = 0.0
+    started = {key[0] for key in after} - {key[0] for key in before}
+    for key, (name, ns) in after.items():
+        if key == me:
+            continue
+        ms = (ns - before.get(key, (name, 0))[1]) / 1e6
+        if ms <= 0:
+            continue
+        if key[0] in ours:
+            name += " (started meanwhile)" if key[0] in started else ""
+            used[name] = used.get(name, 0.0) + ms
+        else:
+            elsewhere += ms
+    top = sorted(used.items(), key=lambda kv: -kv[1])[:8]
+    return {
+        "wall_ms": round(wall_s * 1e3, 1),
+        "this_runs_threads_cpu_ms": round(sum(used.values()), 1),
+        "rest_of_machine_cpu_ms": round(elsewhere, 1),
+        "top_of_this_run": {name: round(ms, 1) for name, ms in top},
+    }
 
 
 def _tail(waits: list[float], marks: list) -> dict:
@@ -87,6 +150,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--world", type=int, default=4, help="this rank's shard is 1/W")
     ap.add_argument("--epochs", type=int, default=5, help="warm epochs timed")
+    ap.add_argument(
+        "--settle-s", type=float, default=0.0,
+        help="seconds between the cold epoch and the timed ones",
+    )  # fmt: skip
     args = ap.parse_args()
 
     import ray
@@ -113,9 +180,11 @@ def main() -> None:
         ds.set_epoch(0)
         for _ in loader:  # the cold epoch: builds and maps every chunk
             pass
+        time.sleep(args.settle_s)
         waits: list[float] = []
         marks: list[tuple[float, int, int, int]] = []  # per batch, see _tail
         batch_bytes = 0
+        cpu_before = _cpu_by_thread()
         for epoch in range(1, 1 + args.epochs):
             ds.set_epoch(epoch)
             t, mark = time.perf_counter(), _mark()
@@ -125,6 +194,7 @@ def main() -> None:
                 marks.append(tuple(b - a for a, b in zip(mark, after, strict=True)))
                 batch_bytes = batch.numel() * batch.element_size()
                 t, mark = now, after
+        others = _others(cpu_before, _cpu_by_thread(), sum(waits))
         ds.close()
     finally:
         ray.shutdown()
@@ -156,6 +226,7 @@ def main() -> None:
         "overhead_ms_per_batch": round(loader_ms - gather_ms, 4),
         "samples_per_s": round(args.batch / loader_ms * 1e3),
         "tail": _tail(waits, marks),
+        "other_threads_on_cpu": others,
     }
     print(json.dumps(result, indent=1))
 

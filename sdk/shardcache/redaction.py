@@ -11,6 +11,15 @@ _USERINFO = re.compile(
 )
 
 
+# redis-py also takes the password as a query parameter (``?password=``), and
+# other URLs carry tokens and keys there.
+_SECRET_PARAM = re.compile(
+    r"(?P<name>[?&](?:pass(?:word|wd)?|pwd|[A-Za-z_]*token|[A-Za-z_]*secret"
+    r"[A-Za-z_]*|[A-Za-z_]*_key)=)[^&#]*",
+    re.IGNORECASE,
+)
+
+
 def redact_url(url: str) -> str:
     """Return ``url`` with any password replaced by ``***`` (never raises).
 
@@ -20,5 +29,10 @@ def redact_url(url: str) -> str:
     'rediss://app:***@host:bad/0'
     >>> redact_url("redis://127.0.0.1:6379")
     'redis://127.0.0.1:6379'
+    >>> redact_url("redis://127.0.0.1:1/0?password=s3cret&socket_timeout=5")
+    'redis://127.0.0.1:1/0?password=***&socket_timeout=5'
+    >>> redact_url("redis://h/0?db=1&PASSWORD=s3cret#x")
+    'redis://h/0?db=1&PASSWORD=***#x'
     """
-    return _USERINFO.sub(r"\g<scheme>\g<user>:***@", str(url), count=1)
+    text = _USERINFO.sub(r"\g<scheme>\g<user>:***@", str(url), count=1)
+    return _SECRET_PARAM.sub(r"\g<name>***", text)

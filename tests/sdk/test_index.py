@@ -52,6 +52,15 @@ def test_connect_redis_unreachable_names_url_and_fix():
         connect_redis("redis://:pw@127.0.0.1:1/0", timeout_s=0.5)
 
 
+@pytest.mark.parametrize("where", ["unreachable", "wrong"])
+def test_a_password_given_as_a_query_parameter_is_never_shown(where, redis_url):
+    # redis-py takes ?password= as well as redis://:PASSWORD@.
+    host = "127.0.0.1:1/0" if where == "unreachable" else redis_url.split("@", 1)[1]
+    with pytest.raises(IndexUnavailable) as info:
+        connect_redis(f"redis://{host}?password=s3cretPW-query", timeout_s=0.5)
+    assert "s3cretPW" not in str(info.value) and "password=***" in str(info.value)
+
+
 def test_connect_redis_bad_url_is_config_error():
     with pytest.raises(ConfigError):
         connect_redis("redis://:pw@127.0.0.1:notaport/0")
