@@ -169,7 +169,8 @@ def warm_dataset(
             shuffle=shuffle,
         )
         work = [(n, h.tolist()) for n, h in zip(rank_nodes, heads, strict=True)]
-    counts = {"fetched": 0, "already_cached": 0, "errors": 0}
+    counts = {"fetched": 0, "already_cached": 0, "errors": 0, "not_kept": 0}
+    since = time.time()
     first_error: tuple[str, str] | None = None
     items = manifest.chunk_items(range(len(layout)))
     with Progress(
@@ -205,14 +206,26 @@ def warm_dataset(
                 if res[0] == Status.ERROR:
                     counts["errors"] += n
                     first_error = first_error or (res[1], res[2])
-                elif res[0] in (Status.FETCHED, Status.UNCACHED):
+                elif res[0] == Status.FETCHED:
                     counts["fetched"] += n
+                elif res[0] == Status.UNCACHED:  # read, then not held
+                    counts["not_kept"] += n
                 else:
                     counts["already_cached"] += n
                 progress.advance(task, n)
+    if first_error is None:
+        # Rows that failed inside a chunk leave the chunk's reply FETCHED
+        # (cached, those rows marked) or UNCACHED; the store's record says.
+        first_error = _first_fetch_error(
+            index, name, since, FETCH_ERROR_WAIT_S if counts["not_kept"] else 0.0
+        )
     if first_error is not None:
         kind, message = first_error
-        raise error_type(kind)(message)
+        raise error_type(kind)(
+            f"warming {name!r} did not cache every sample "
+            f"({counts['errors'] + counts['not_kept']} of {total} samples in "
+            f"chunks not cached). The first failure: {message}"
+        )
     return {
         "dataset": name,
         "generation": generation,
@@ -227,6 +240,37 @@ def warm_dataset(
         "seconds": time.perf_counter() - started,
         **counts,
     }
+
+
+FETCH_ERROR_WAIT_S = 3.0  # a store records a failure just before it answers
+
+
+def _first_fetch_error(
+    index: RedisIndex, name: str, since: float, wait_s: float
+) -> tuple[str, str] | None:
+    """The first row a store failed to read or decode since ``since``.
+
+    A chunk whose rows failed with an error that may pass (a throttled or
+    unreachable source, missing credentials) is served with those rows marked
+    and not cached, so the next epoch tries again: its reply is the same
+    ``UNCACHED`` as a chunk the budget could not hold. One whose rows fail
+    for good (a file that does not decode) is cached with them marked and
+    answers ``FETCHED``. Either way the store records a ``fetch_error`` event
+    (from its pool, as it answers), looked for here for up to ``wait_s``;
+    none found after ``UNCACHED`` means the budget said no.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        for event in index.events(200):
+            if (
+                event.get("kind") == "fetch_error"
+                and event.get("dataset") == name
+                and float(event.get("ts", 0)) >= since
+            ):
+                return str(event.get("error", "")), str(event.get("message", ""))
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.2)
 
 
 def _rank_nodes(

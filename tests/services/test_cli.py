@@ -55,6 +55,37 @@ def test_cli_warm_stats_ls_invalidate_roundtrip(
     assert missing.exit_code == 2 and "no dataset named 'nope'" in missing.output
 
 
+def test_cli_warm_that_read_nothing_says_so_and_fails(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
+    from shardcache_server.emulator import FaultPlan
+
+    s3fs_client.pipe({f"{bucket}/f/{i:02d}.bin": bytes([i]) * 100 for i in range(6)})
+    runner = CliRunner()
+    warm = [
+        "warm", f"s3://{bucket}/f/", "--name", "failing", "--endpoint-url",
+        s3.endpoint_url, "-o", "key=testing", "-o", "secret=testing",
+        "--redis-url", redis_url, "--namespace", namespace,
+    ]  # fmt: skip
+    # Every GET fails (the listing does not): each read is retried, then
+    # given up; nothing is cached, and warm must not say "6 fetched".
+    s3.set_faults(FaultPlan(error_rate=1.0, error_status=500))
+    try:
+        res = runner.invoke(app, warm)
+    finally:
+        s3.set_faults(FaultPlan())
+    assert res.exit_code == 2, res.output
+    assert "RemoteFetchError" in res.output and "did not cache every sample" in res.output
+    assert "fetched" not in res.output
+    # Objects that read but do not decode: cached as failed rows, named.
+    res = runner.invoke(app, [*warm, "--preprocess", "decode_image", "--force"])
+    assert res.exit_code == 2, res.output
+    assert "PreprocessError" in res.output and f"{bucket}/f/" in res.output
+    # The source readable again: the same warm caches all of it.
+    res = runner.invoke(app, [*warm, "--force"])
+    assert res.exit_code == 0 and "6 objects, 6 fetched" in res.output, res.output
+
+
 def test_cli_errors_are_one_line_without_traceback(s3, redis_url):
     runner = CliRunner()
     res = runner.invoke(
@@ -76,7 +107,7 @@ def test_cli_errors_are_one_line_without_traceback(s3, redis_url):
     assert "SourceNotFound" in res.output and "Traceback" not in res.output
     bad = runner.invoke(app, ["stats", "--redis-url", "redis://:wrong@127.0.0.1:1/0"])
     assert (
-        bad.exit_code == 2
+        bad.exit_code == 1  # cannot be reached: as when nothing runs
         and "IndexUnavailable" in bad.output
         and "wrong" not in bad.output
     )

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from shardcache.errors import ShardCacheError
+from shardcache.errors import IndexUnavailable, ShardCacheError, ShardUnavailable
 
 __all__ = [
     "NamespaceOpt",
@@ -62,12 +62,15 @@ NamespaceOpt = typer.Option(
 
 @contextlib.contextmanager
 def friendly_errors() -> Iterator[None]:
-    """Our errors print one clear line and exit 2, never a traceback."""
+    """Our errors print one clear line, never a traceback. Exit 1 where the
+    cache cannot be reached (Redis or Ray: as when nothing runs), 2 for
+    anything else (a bad argument, an unknown name, a source error)."""
     try:
         yield
     except ShardCacheError as exc:
         err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}")
-        raise typer.Exit(2) from None
+        unreachable = isinstance(exc, IndexUnavailable | ShardUnavailable)
+        raise typer.Exit(1 if unreachable else 2) from None
 
 
 def running_index(redis_url: str | None, namespace: str) -> Any:

@@ -144,3 +144,12 @@ def warm(
         f"{summary['fetched']} fetched, {summary['already_cached']} already cached, "
         f"{summary['bytes'] / 2**20:.1f} MiB in {summary['seconds']:.1f}s"
     )
+    if summary["not_kept"]:
+        # Read, but the stores' budgets could not hold them: a job reads them
+        # from the source (or the disk tier) again.
+        console.print(
+            f"[yellow]not cached[/]: {summary['not_kept']} samples did not fit the "
+            "stores' memory budget (SHARDCACHE_CACHE_BYTES, the chart's "
+            "cache.cacheBytes); a job reads them from the source again."
+        )
+        raise typer.Exit(1)
