@@ -106,6 +106,56 @@ def test_redis_restart_reads_continue_and_index_recovers(
     assert ds.generation == generation and s3.total_gets == 12
 
 
+def test_after_redis_restarts_empty_new_jobs_read_the_source_as_it_is(
+    ray_cluster, s3, s3fs_client, bucket, private_redis, namespace
+):
+    """Redis without persistence comes back empty and numbers generations from
+    1 again, while the stores still hold later ones (or the same number for
+    another preprocess): what they hold under the old numbers is never served."""
+    import numpy as np
+
+    s3fs_client.pipe({f"{bucket}/r/{i:02d}": bytes([i]) * 16 for i in range(6)})
+
+    def job(preprocess=raw_bytes) -> list[bytes]:  # a new run of a script
+        ds = DistributedCachedDataset(
+            f"s3://{bucket}/r/", preprocess=preprocess,
+            storage_options=s3.storage_options(), redis_url=private_redis["url"],
+            namespace=namespace, shuffle=False,
+        )  # fmt: skip
+        try:
+            return [bytes(ds[i].numpy()) for i in range(len(ds))]
+        finally:
+            ds.close()
+
+    def restart_empty() -> None:
+        private_redis["proc"].terminate()
+        private_redis["proc"].wait(timeout=10)
+        private_redis["proc"], _ = private_redis["start"]()  # no persistence
+
+    expected = [bytes([i]) * 16 for i in range(6)]
+    assert job() == expected
+    index = RedisIndex.from_url(private_redis["url"], namespace)
+    (name,) = index.datasets()
+    index.invalidate(name)
+    index.invalidate(name)  # the stores now hold generation 3
+    assert job() == expected
+    s3fs_client.pipe({f"{bucket}/r/02": b"new" * 5})
+    expected[2] = b"new" * 5
+    restart_empty()
+    assert job() == expected  # generation 1 again, below the stores' 3
+    assert RedisIndex.from_url(private_redis["url"], namespace).invalidate(name) == 2
+    assert job() == expected
+    # Once more, and a new preprocess gets the stores' own number (1 after
+    # 2): the same generation for another fingerprint is not the same data.
+    restart_empty()
+    assert job() == expected
+    restart_empty()
+    doubled = [bytes(np.frombuffer(b, np.uint8) * 2) for b in expected]
+    assert job(lambda b: np.frombuffer(b, np.uint8) * 2) == doubled
+    events = RedisIndex.from_url(private_redis["url"], namespace).events(50)
+    assert any(e["kind"] == "index_restarted" for e in events)
+
+
 def test_tenants_on_one_redis_cannot_see_or_invalidate_each_other(redis_url):
     a = RedisIndex.from_url(redis_url, f"tenant-a-{uuid.uuid4().hex[:6]}")
     b = RedisIndex.from_url(redis_url, f"tenant-b-{uuid.uuid4().hex[:6]}")

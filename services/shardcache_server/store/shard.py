@@ -15,6 +15,7 @@ content checks).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import uuid
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from shardcache import keys
-from shardcache.errors import StaleVersionError
+from shardcache.errors import BackendError, StaleVersionError
 from shardcache.redaction import redact_url
 from shardcache.transport.base import Status
 from shardcache.variants import VariantSpec, base_item
@@ -45,6 +46,8 @@ from shardcache_server.store.upkeep import Upkeep
 from shardcache_server.store.variants import VariantBuilds
 
 __all__ = ["CacheShard", "Item", "Result"]
+
+log = logging.getLogger(__name__)
 
 
 class CacheShard:
@@ -210,8 +213,18 @@ class CacheShard:
             self._table.policy.learn(
                 name, SamplerOrder.from_spec(spec["order"], manifest.layout.sizes())
             )
+        generation = int(spec["generation"])
+        held = self._datasets.get(name)
+        if (
+            held is not None
+            and generation == self._table.generation[name]
+            and held.fingerprint != spec["fingerprint"]
+        ) or generation < self._table.generation[name]:
+            # A new fingerprint always gets a new generation, and generations
+            # only grow, unless the index started over.
+            await self._rebase_if_index_restarted(name, generation)
         # Advance first: the generation being retired keeps its own spec.
-        self._upkeep.advance(name, int(spec["generation"]))
+        self._upkeep.advance(name, generation)
         self._datasets[name] = Dataset(
             name,
             spec["protocol"],
@@ -227,6 +240,37 @@ class CacheShard:
             VariantSpec.from_install(spec.get("variants")),
         )
         return self._table.generation[name]
+
+    async def _rebase_if_index_restarted(self, dataset: str, generation: int) -> bool:
+        """Whether the index says ``generation`` is current although this store
+        numbered ``dataset`` otherwise (later, or the same for another
+        fingerprint); if so, everything held under the old numbers is dropped
+        (``HeldTable.rebase``). An index that cannot answer changes nothing."""
+        index = self._records.index
+        if index is None:
+            return False
+        try:
+            current = await asyncio.to_thread(index.generation, dataset)
+        except BackendError:
+            return False
+        if current != generation:
+            return False  # a late caller of a generation since invalidated
+        held = self._table.generation[dataset]
+        dropped = self._table.rebase(dataset, generation)
+        self._records.event(
+            "index_restarted",
+            dataset,
+            generation=generation,
+            store_generation=held,
+            dropped=dropped,
+        )
+        log.warning(
+            "the index numbers dataset %r generation %d where this store held %d: "
+            "Redis lost its records; %d chunks held under the old numbering are "
+            "dropped and will be read again",
+            dataset, generation, held, dropped,
+        )  # fmt: skip
+        return True
 
     async def installed(self, dataset: str) -> list[Any]:
         """``[spec, preprocess, target]`` of ``dataset`` as a job registered it
@@ -311,6 +355,10 @@ class CacheShard:
                 return [(Status.ERROR, "StaleVersionError", str(exc))] * len(items)
             ds = replace(ds, manifest=manifest, digest=digest)
         known = self._table.generation[dataset]
+        if generation < known and await self._rebase_if_index_restarted(
+            dataset, generation
+        ):
+            known = generation
         if generation < known:
             retired = self._table.retired.spec(dataset, generation)
             if retired is not None:

@@ -153,6 +153,22 @@ class HeldTable:
                 self.retired.keep(dataset, c.generation, k[1], c.ref, c.etag, c.nbytes)
             self.evict(k)
 
+    def rebase(self, dataset: str, generation: int) -> int:
+        """Start ``dataset`` over at ``generation``; returns the entries dropped.
+
+        For when the index numbers the dataset lower than this store does (or
+        the same under another fingerprint): the index lost its records (a
+        Redis restarted empty) and counts generations from 1 again, so what
+        this store holds under the old numbers may be other data. Dropped,
+        not retired: no rank reads the old numbering any more.
+        """
+        dropped = [k for k in self._entries if k[0] == dataset]
+        for k in dropped:
+            self.evict(k)
+        self.retired.drop(dataset)
+        self.generation[dataset] = generation
+        return len(dropped)
+
     def bytes_by_dataset(self) -> dict[str, int]:
         per_ds: dict[str, int] = defaultdict(int)
         for (ds, _), c in self._entries.items():
