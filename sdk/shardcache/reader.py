@@ -208,19 +208,30 @@ class ChunkReader:
                 form = "base_fallback" if c in self._fallback else "variant_samples"
                 self.variant_counts[form] += n
             origin = self._origin.get(c, "local")
-            mask = self._sourced.get(c) if origin == "source" else None
-            if mask is not None:
-                # A partial rebuild: only the rows it read came from the source.
-                mine = chunk_ids == c
-                fresh = mask[indices[mine] - self.layout.starts[c]]
-                n_src, b_src = int(fresh.sum()), int(sizes[mine][fresh].sum())
-                batch["source"] += n_src
-                batch["source_bytes"] += b_src
-                batch["local"] += n - n_src
-                batch["local_bytes"] += nbytes - b_src
+            if origin != "source":
+                batch[origin] += n
+                batch[f"{origin}_bytes"] += nbytes
                 continue
-            batch[origin] += n
-            batch[f"{origin}_bytes"] += nbytes
+            # A row read from the source counts as source the first time it
+            # is delivered this epoch, and as local after (a sample asked for
+            # again, drop_last's padding, ds[i] after the loop): source
+            # samples stay the GETs made. A partial rebuild read only some.
+            mask = self._sourced.get(c)
+            if mask is None:
+                first, end = self.layout.bounds(c)
+                mask = self._sourced[c] = np.ones(end - first, dtype=bool)
+            mine = chunk_ids == c
+            rows = indices[mine] - self.layout.starts[c]
+            fresh = mask[rows]
+            if len(rows) > 1:  # the same row twice in one batch: once
+                _, once = np.unique(rows, return_index=True)
+                fresh[np.setdiff1d(np.arange(len(rows)), once)] = False
+            mask[rows] = False
+            n_src, b_src = int(fresh.sum()), int(sizes[mine][fresh].sum())
+            batch["source"] += n_src
+            batch["source_bytes"] += b_src
+            batch["local"] += n - n_src
+            batch["local_bytes"] += nbytes - b_src
         for key, value in batch.items():
             self.counts[key] += value
         return batch
@@ -286,7 +297,7 @@ class ChunkReader:
                 if self._origin.get(c) != "source":
                     self._origin[c] = Status(status).origin
                     if self._origin[c] == "source" and chunk.sourced is not None:
-                        self._sourced[c] = chunk.sourced
+                        self._sourced[c] = np.array(chunk.sourced, dtype=bool)
                 unheld = status in (Status.UNCACHED, Status.DISK_READ)
                 if (
                     not unheld

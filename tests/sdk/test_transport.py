@@ -223,6 +223,27 @@ def test_transport_a_test_double_drives_the_reader_and_statuses_count_as_origins
     assert transport.calls == [["c0", "c1"]]  # one call for the batch's chunks
 
 
+def test_a_sample_read_from_the_source_counts_as_source_once_per_epoch():
+    # The loop, then ds[i] over the same samples in the same epoch (or a
+    # padded repeat): one GET per object, so one source count per sample.
+    transport, reader = _two_chunk_reader()
+    first = np.array([0, 1, 3, 3])  # row 3 twice in one batch
+    chunk_ids, _ = reader.locate(first)
+    reader.chunks_for(chunk_ids)
+    assert reader.count(chunk_ids, first) == {
+        **dict.fromkeys(reader.counts, 0),
+        "source": 3, "source_bytes": 12, "local": 1, "local_bytes": 4,
+    }  # fmt: skip
+    again = np.arange(6)
+    chunk_ids, _ = reader.locate(again)
+    reader.chunks_for(chunk_ids)
+    batch = reader.count(chunk_ids, again)
+    assert (batch["source"], batch["local"]) == (3, 3)  # 2, 4, 5 are new
+    assert (reader.counts["source"], reader.counts["local"]) == (6, 4)
+    reader.new_epoch()
+    assert reader.count(chunk_ids, again)["local"] == 6
+
+
 def test_transport_an_error_crosses_the_wire_as_its_own_type_and_never_as_a_builtin():
     from shardcache.errors import BackendError, SourceNotFound
     from shardcache.transport.wire import error_reply, raise_reply_error
