@@ -22,7 +22,11 @@ from shardcache.errors import (
     StaleVersionError,
 )
 from shardcache.source import open_remote
-from shardcache_server.objects import _version_of
+from shardcache_server.objects import (
+    CREDENTIALS_HINT,
+    _version_of,
+    is_missing_credentials,
+)
 
 __all__ = ["Fetcher", "read_ranges"]
 
@@ -135,7 +139,8 @@ class Fetcher:
                 ) from exc
             except PermissionError as exc:
                 raise RemoteFetchError(
-                    f"permission denied reading {url!r}; check the store's credentials."
+                    f"permission denied reading {url!r}; check the store's "
+                    f"credentials. {CREDENTIALS_HINT}"
                 ) from exc
             except CorruptObjectError as exc:
                 last = exc
@@ -150,6 +155,11 @@ class Fetcher:
                     "aiohttp",
                 ):
                     raise
+                if is_missing_credentials(exc):  # not the source's fault: no retry
+                    raise RemoteFetchError(
+                        f"reading {url!r} found no credentials "
+                        f"({type(exc).__name__}). {CREDENTIALS_HINT}"
+                    ) from exc
                 last = exc
                 await self._note_throttle(url, exc)
                 if "Checksum" in type(exc).__name__:
@@ -405,11 +415,17 @@ def read_ranges(
         ) from exc
     except PermissionError as exc:
         raise RemoteFetchError(
-            f"permission denied reading {url!r}; check the store's credentials."
+            f"permission denied reading {url!r}; check the store's credentials. "
+            f"{CREDENTIALS_HINT}"
         ) from exc
     except Exception as exc:
         if _is_precondition_failed(exc):
             raise _stale(url, etag, "a newer one") from exc
+        if is_missing_credentials(exc):
+            raise RemoteFetchError(
+                f"reading {url!r} found no credentials ({type(exc).__name__}). "
+                f"{CREDENTIALS_HINT}"
+            ) from exc
         if not isinstance(exc, OSError | TimeoutError) and (
             type(exc).__module__.split(".")[0] not in _CLIENT_MODULES
         ):

@@ -75,11 +75,35 @@ def _not_found(url: str) -> SourceNotFound:
     )
 
 
+# The stores list and read, each with its own Ray node's environment: the
+# training script's AWS_* variables reach them only in the embedded mode,
+# where the script's machine is the node.
+CREDENTIALS_HINT = (
+    "The cache's stores list and read the source with storage_options= and the "
+    "environment of their own Ray node, not the training script's AWS_* "
+    "variables: pass key, secret (and endpoint_url) in storage_options, or set "
+    "them on the Ray nodes (the chart's s3 values)."
+)
+_NO_CREDENTIALS = frozenset(
+    {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
+)
+
+
+def is_missing_credentials(exc: BaseException) -> bool:
+    """botocore found no (or half the) credentials: no retry will find them."""
+    return type(exc).__name__ in _NO_CREDENTIALS
+
+
 def _failed(url: str, exc: BaseException) -> RemoteFetchError:
     if isinstance(exc, PermissionError):
         return RemoteFetchError(
             f"permission denied listing {url!r}; check the credentials in "
-            "storage_options."
+            f"storage_options. {CREDENTIALS_HINT}"
+        )
+    if is_missing_credentials(exc):
+        return RemoteFetchError(
+            f"listing {url!r} found no credentials ({type(exc).__name__}). "
+            f"{CREDENTIALS_HINT}"
         )
     return RemoteFetchError(
         f"listing {url!r} failed: {type(exc).__name__}: {exc}. Check the "

@@ -300,3 +300,36 @@ def test_fan_out_task_errors_reach_the_listing_as_the_projects_own(
         asyncio.run(
             fan.list("no-such-bucket", ["x/"], lambda _p: True, "s3://no-such-bucket/x/")
         )
+
+
+def test_no_credentials_is_named_with_where_the_stores_find_them(
+    s3: Any,
+    s3fs_client: Any,
+    bucket: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    # A store on a Ray node that has no AWS variables, reading a dataset whose
+    # script had them in its own environment: botocore finds nothing, and no
+    # retry ever will. Said once, with where credentials must be.
+    s3fs_client.pipe({f"{bucket}/nc/a.bin": b"x" * 8})
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no link-local probe
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    options = {"client_kwargs": {"endpoint_url": s3.endpoint_url}}
+    with pytest.raises(RemoteFetchError, match="found no credentials") as listing:
+        list_source(f"s3://{bucket}/nc/", options)
+    assert "storage_options" in str(listing.value) and "Ray node" in str(listing.value)
+
+    async def read() -> bytes:
+        fetcher = Fetcher(
+            "s3", options, concurrency=1, retries=4,
+            backoff_s=0.01, backoff_max_s=0.1, timeout_s=10,
+        )  # fmt: skip
+        return await fetcher.fetch(f"s3://{bucket}/nc/a.bin", 8, "")
+
+    with pytest.raises(RemoteFetchError, match="found no credentials") as fetch:
+        asyncio.run(read())
+    assert "attempts" not in str(fetch.value) and "throttling" not in str(fetch.value)
