@@ -40,7 +40,12 @@ from shardcache.warmup import warm_chunks
 
 __all__ = ["RankSession"]
 
-RANK_REPORT_EVERY = 50  # batches between best-effort rank reports to Redis
+RANK_REPORT_EVERY = 50  # batches between looks at the clock for a rank report
+# A rank report is a percentile summary on the loop's thread and a Redis write
+# in the background: at thousands of warm batches a second, every 50 batches
+# was ~40 a second, each one handing the GIL to the writer mid-batch (slow
+# batches in the p99 tail, bench/loader.py). The dashboard reads once a second.
+RANK_REPORT_MIN_S = 1.0
 STALE_RETRIES = 3  # generations a batch may try before the stores' error stands
 READ_AHEAD_BATCHES = 2  # batches whose rows in mapped files are read ahead
 log = logging.getLogger("shardcache")
@@ -106,6 +111,7 @@ class RankSession:
         self._read_ahead_to = (-1, 0)  # (epoch, position) read ahead up to
         self._prefetched_to: tuple[Any, int] = (None, 0)  # (epoch..., position)
         self.epoch_reported = False
+        self._rank_reported_at = 0.0  # time.monotonic() of the last report
         self.warned_skip = False
         # The reader's served counts when this epoch began, and the shuffle
         # block the last warm epoch suggested (block_advice.py; 0: none).
@@ -332,7 +338,10 @@ class RankSession:
             self.epoch_reported = True
             reader.submit(self.usage.flush)
             self.report_rank(in_background=True)
-        elif self.waits.batches % RANK_REPORT_EVERY == 0:
+        elif (
+            self.waits.batches % RANK_REPORT_EVERY == 0
+            and time.monotonic() - self._rank_reported_at >= RANK_REPORT_MIN_S
+        ):
             self.report_rank(in_background=True)
 
     # -- the cache around this rank -------------------------------------------------------
@@ -445,6 +454,7 @@ class RankSession:
     def report_rank(self, in_background: bool = False) -> None:
         if self.waits.batches == 0:
             return
+        self._rank_reported_at = time.monotonic()
         report = {
             **self.counts,
             **self.waits.summary(),
