@@ -92,7 +92,17 @@ def build_unit(
         raw: list[tuple[str, Any]] | None = None
         if manifest.format == DATASET_FORMAT:
             url, _, lo, hi = manifest.unit(chunk)
-            raw = [(f"{url}#{i}", source[i]) for i in range(lo, hi)]
+            raw = []
+            for row, i in enumerate(range(lo, hi)):
+                key = f"{url}#{i}"
+                try:
+                    raw.append((key, source[i]))
+                except Exception as exc:  # a user's __getitem__: this item only
+                    errors[row] = (
+                        "PreprocessError",
+                        f"{type(exc).__name__} in __getitem__({i}) of {url}: {exc}",
+                    )
+                    raw.append((key, None))
         else:
             unit = _unit(manifest, chunk, storage_options, span)
             fmt = get_format(manifest.format)
@@ -104,6 +114,8 @@ def build_unit(
             assert raw is not None
             call = _with_key(preprocess)
             for row, (key, value) in enumerate(raw):
+                if row in errors:
+                    continue
                 try:
                     samples[row] = run_preprocess(
                         lambda v, k=key: call(v, k), value, key

@@ -37,6 +37,21 @@ class CountingDataset:
         return np.full(4, i, dtype=np.int32), i
 
 
+class RaisingDataset:
+    """A user's Dataset whose __getitem__ raises for some indices."""
+
+    def __init__(self, count: int, bad: tuple[int, ...]):
+        self.count, self.bad = count, bad
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int):
+        if i in self.bad:
+            raise ValueError(f"boom at {i}")
+        return np.full(2, i, dtype=np.int32)
+
+
 class HandleDataset:
     """Holds an open file: it cannot be pickled, as with an h5py.File in __init__."""
 
@@ -356,6 +371,31 @@ def test_from_dataset_calls_getitem_once_per_index_per_cluster(
         range(40)
     )  # each index exactly once, 3 epochs x 2 ranks
     assert results[0]["collated"] == ["tuple"]
+
+
+def test_from_dataset_an_item_that_raises_fails_alone_and_is_named(
+    ray_cluster, redis_url, namespace
+):
+    from shardcache import DistributedCachedDataset, PreprocessError
+
+    def make(name: str, on_error: str) -> DistributedCachedDataset:
+        return DistributedCachedDataset.from_dataset(
+            RaisingDataset(10, bad=(2, 7)), name=name, chunk_samples=10,
+            on_error=on_error, shuffle=False, rank=0, world_size=1,
+            redis_url=redis_url, namespace=namespace,
+        )  # fmt: skip
+
+    strict = make("raising", "raise")
+    assert [int(strict[i][0]) for i in (0, 1, 3, 9)] == [0, 1, 3, 9]
+    with pytest.raises(PreprocessError, match=r"sample 7 .*boom at 7"):
+        strict[7]
+    strict.close()
+    skipping = make("raising-skip", "skip")
+    skipping.set_epoch(0)
+    got = [int(x[0]) for batch in skipping.loader(5) for x in batch]
+    assert len(got) == 10 and set(got) == set(range(10)) - {2, 7}
+    assert skipping.stats()["skipped"] == 2
+    skipping.close()
 
 
 def test_from_dataset_that_cannot_pickle_says_what_to_change(tmp_path):
