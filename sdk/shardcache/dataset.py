@@ -136,6 +136,8 @@ class DistributedCachedDataset(Dataset[Any]):
             another sample of the same batch, so the epoch's length and every
             rank's step count stay equal; skipped samples are counted in
             ``stats()["skipped"]``, ``shardcache stats`` and the dashboard.
+            A batch none of whose samples could be built has nothing to stand
+            in and raises (``batch_size=1`` makes every bad sample one).
         job: this run's id on the dashboard and for the listing above.
             Defaults to ``SHARDCACHE_JOB``, then the launcher's run id
             (Ray Train, torchrun), then one id made by the first rank and

@@ -211,6 +211,9 @@ class RankSession:
         chunks = self._chunks_of_one_generation(reader, chunk_ids)
         # 4. on_error="skip": a sample that could not be read or built is
         #    replaced by another of its batch (every rank keeps its steps).
+        #    Its slot is still counted as its own sample's (step 6): that
+        #    object was read (a GET made), the stand-in was delivered already.
+        asked_chunks, asked = chunk_ids, idx
         if self.spec.on_error == "skip":
             chunk_ids, rows, idx, skipped = delivery.substitute_failed(
                 chunks, chunk_ids, rows, idx, reader.manifest.url
@@ -235,7 +238,7 @@ class RankSession:
             if collate:
                 batch = torch.utils.data.default_collate(batch)
         # 6. Account: where the samples came from, what the batch waited.
-        delta = reader.count(chunk_ids, idx)
+        delta = reader.count(asked_chunks, asked)
         self._account(delta, len(idx), time.perf_counter() - started)
         # 7. Look ahead: resolve the coming batches' chunks, report the rank.
         self._look_ahead(reader)

@@ -66,6 +66,9 @@ def test_on_error_skip_keeps_every_rank_in_step_and_counts_the_bad_object(user):
     assert sum(r["reads"][0] for r in ranks) == 100
     assert [r["reads"][1] for r in ranks] == [0, 0]
     assert "skipping samples that could not be read" in done.stderr
+    stats = user.shardcache("stats")  # skipped is not "lost" (Redis was up)
+    assert stats.returncode == 0, stats.stderr
+    assert "skipped:" in stats.stdout and "lost:" not in stats.stdout, stats.stdout
 
     out = user.workdir / "raise"
     done = user.torchrun(script, f"{root}/", "raise", str(out), "1")

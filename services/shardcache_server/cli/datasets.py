@@ -78,7 +78,8 @@ def stats(
             pad_edge=False,
             collapse_padding=True,
         )
-        lost: list[str] = []
+        lost: list[str] = []  # delivered while Redis was down, never reported
+        skipped: list[str] = []  # on_error='skip': replaced, not delivered
         read: list[str] = []
         store = Table(
             Column("dataset", no_wrap=True),
@@ -120,7 +121,7 @@ def stats(
                     f"{f['blocked_s']:.1f}",
                 )
                 if f["skipped"]:
-                    lost.append(
+                    skipped.append(
                         f"{ds} {label}: {f['skipped']} samples skipped "
                         "(on_error='skip'): their objects could not be read or built"
                     )
@@ -142,6 +143,8 @@ def stats(
     print_table(served)
     for line in read:
         console.print(f"read: {line}", soft_wrap=True)
+    for line in skipped:
+        console.print(f"[yellow]skipped:[/] {line}")
     for line in lost:
         console.print(f"[yellow]lost:[/] {line}")
     print_table(store)
