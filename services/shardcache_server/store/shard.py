@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
@@ -48,6 +49,8 @@ from shardcache_server.store.variants import VariantBuilds
 __all__ = ["CacheShard", "Item", "Result"]
 
 log = logging.getLogger(__name__)
+
+RECHECK_S = 5.0  # how long "that generation is not current" is believed
 
 
 class CacheShard:
@@ -86,6 +89,9 @@ class CacheShard:
         self.incarnation = uuid.uuid4().hex[:8]
         self.me = f"{node_id}/{self.incarnation}"
         self._datasets: dict[str, Dataset] = {}
+        # (dataset, generation) below this store's -> when the index last
+        # said it is not current (see _rebase_if_index_restarted).
+        self._lower_checked: dict[tuple[str, int], float] = {}
         self._stats = StatsBuffer()
         self._records = IndexRecords(node_id, self.me, self.settings.preprocess_workers)
         self._table = HeldTable(
@@ -221,8 +227,8 @@ class CacheShard:
             and held.fingerprint != spec["fingerprint"]
         ) or generation < self._table.generation[name]:
             # A new fingerprint always gets a new generation, and generations
-            # only grow, unless the index started over.
-            await self._rebase_if_index_restarted(name, generation)
+            # only grow, unless the index started over. Once per job: asked.
+            await self._rebase_if_index_restarted(name, generation, recheck=True)
         # Advance first: the generation being retired keeps its own spec.
         self._upkeep.advance(name, generation)
         self._datasets[name] = Dataset(
@@ -241,7 +247,9 @@ class CacheShard:
         )
         return self._table.generation[name]
 
-    async def _rebase_if_index_restarted(self, dataset: str, generation: int) -> bool:
+    async def _rebase_if_index_restarted(
+        self, dataset: str, generation: int, *, recheck: bool = False
+    ) -> bool:
         """Whether the index says ``generation`` is current although this store
         numbered ``dataset`` otherwise (later, or the same for another
         fingerprint); if so, everything held under the old numbers is dropped
@@ -249,14 +257,24 @@ class CacheShard:
         index = self._records.index
         if index is None:
             return False
+        # Ranks finishing an epoch on an invalidated generation ask with it in
+        # every batch: one question per generation every few seconds, not one
+        # Redis read per batch per rank.
+        now = time.monotonic()
+        last = self._lower_checked.get((dataset, generation), -1e9)
+        if not recheck and now - last < RECHECK_S:
+            return False
         try:
             current = await asyncio.to_thread(index.generation, dataset)
         except BackendError:
             return False
         if current != generation:
+            self._lower_checked[(dataset, generation)] = now
             return False  # a late caller of a generation since invalidated
         held = self._table.generation[dataset]
         dropped = self._table.rebase(dataset, generation)
+        for key in [k for k in self._lower_checked if k[0] == dataset]:
+            del self._lower_checked[key]
         self._records.event(
             "index_restarted",
             dataset,
