@@ -261,7 +261,7 @@ def _first_fetch_error(
     """
     deadline = time.monotonic() + wait_s
     while True:
-        for event in index.events(200):
+        for event in reversed(index.events(200)):  # the list is newest first
             if (
                 event.get("kind") == "fetch_error"
                 and event.get("dataset") == name
