@@ -85,7 +85,9 @@ class ChunkReader:
         self._maps: OrderedDict[int, Chunk] = OrderedDict()
         self._largest = 0  # the largest chunk resolved, as held (decoded) bytes
         self._origin: dict[int, str] = {}
-        self._sourced: dict[int, np.ndarray] = {}  # partial rebuilds' source rows
+        # Per chunk read from the source this epoch, its rows not yet counted
+        # as source (all of them, or a partial rebuild's): 1 byte a row.
+        self._sourced: dict[int, bytearray] = {}
         self._disk_sampled: set[int] = set()  # disk-tier files checked this epoch
         self._pending: dict[int, Future[None]] = {}
         self.saw_uncached = False  # the stores could not cache a chunk this generation
@@ -208,33 +210,46 @@ class ChunkReader:
                 form = "base_fallback" if c in self._fallback else "variant_samples"
                 self.variant_counts[form] += n
             origin = self._origin.get(c, "local")
-            if origin != "source":
-                batch[origin] += n
-                batch[f"{origin}_bytes"] += nbytes
-                continue
-            # A row read from the source counts as source the first time it
-            # is delivered this epoch, and as local after (a sample asked for
-            # again, drop_last's padding, ds[i] after the loop): source
-            # samples stay the GETs made. A partial rebuild read only some.
-            mask = self._sourced.get(c)
-            if mask is None:
-                first, end = self.layout.bounds(c)
-                mask = self._sourced[c] = np.ones(end - first, dtype=bool)
-            mine = chunk_ids == c
-            rows = indices[mine] - self.layout.starts[c]
-            fresh = mask[rows]
-            if len(rows) > 1:  # the same row twice in one batch: once
-                _, once = np.unique(rows, return_index=True)
-                fresh[np.setdiff1d(np.arange(len(rows)), once)] = False
-            mask[rows] = False
-            n_src, b_src = int(fresh.sum()), int(sizes[mine][fresh].sum())
-            batch["source"] += n_src
-            batch["source_bytes"] += b_src
-            batch["local"] += n - n_src
-            batch["local_bytes"] += nbytes - b_src
+            batch[origin] += n
+            batch[f"{origin}_bytes"] += nbytes
+        if batch["source"]:
+            again, again_bytes = self._delivered_before(chunk_ids, indices, sizes)
+            batch["source"] -= again
+            batch["source_bytes"] -= again_bytes
+            batch["local"] += again
+            batch["local_bytes"] += again_bytes
         for key, value in batch.items():
             self.counts[key] += value
         return batch
+
+    def _delivered_before(
+        self, chunk_ids: np.ndarray, indices: np.ndarray, sizes: np.ndarray
+    ) -> tuple[int, int]:
+        """Of this batch's samples from chunks read from the source, those
+        that were not: delivered before in this epoch (a sample asked for
+        again, drop_last's padding, ``ds[i]`` after the loop), or not among
+        the rows a partial rebuild read. ``(samples, bytes)``; they count as
+        local, so source samples stay the GETs made. Plain Python over the
+        batch: a few numpy calls per chunk cost more than this at 64 samples
+        over ~30 chunks (a cold batch under full shuffle)."""
+        again = again_bytes = 0
+        origin, sourced, starts = self._origin, self._sourced, self.layout.starts
+        for c, i, size in zip(
+            chunk_ids.tolist(), indices.tolist(), sizes.tolist(), strict=True
+        ):
+            if origin.get(c) != "source":
+                continue
+            mask = sourced.get(c)
+            if mask is None:  # the whole chunk was read: every row once
+                first, end = self.layout.bounds(c)
+                mask = sourced[c] = bytearray(b"\x01") * (end - first)
+            row = i - int(starts[c])
+            if mask[row]:
+                mask[row] = 0
+            else:
+                again += 1
+                again_bytes += size
+        return again, again_bytes
 
     # -- resolution ---------------------------------------------------------------------
     def _resolve(self, chunks: list[int], generation: int) -> dict[int, Chunk]:
@@ -297,7 +312,9 @@ class ChunkReader:
                 if self._origin.get(c) != "source":
                     self._origin[c] = Status(status).origin
                     if self._origin[c] == "source" and chunk.sourced is not None:
-                        self._sourced[c] = np.array(chunk.sourced, dtype=bool)
+                        self._sourced[c] = bytearray(
+                            np.asarray(chunk.sourced, dtype=np.uint8).tobytes()
+                        )
                 unheld = status in (Status.UNCACHED, Status.DISK_READ)
                 if (
                     not unheld

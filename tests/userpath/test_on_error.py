@@ -63,7 +63,10 @@ def test_on_error_skip_keeps_every_rank_in_step_and_counts_the_bad_object(user):
     # Counted every epoch it is skipped; read from the source once: the
     # second epoch reads nothing, not the bad object's whole chunk again.
     assert [sum(r["skipped"][e] for r in ranks) for e in (0, 1)] == [1, 1]
-    assert sum(r["reads"][0] for r in ranks) == 100
+    # The 100 files are one chunk, split between the ranks: it counts as
+    # source for the rank whose request built it, and for the other rank
+    # too when it asked while the build was in flight (a race).
+    assert sorted(r["reads"][0] for r in ranks) in ([0, 50], [50, 50])
     assert [r["reads"][1] for r in ranks] == [0, 0]
     assert "skipping samples that could not be read" in done.stderr
     stats = user.shardcache("stats")  # skipped is not "lost" (Redis was up)
