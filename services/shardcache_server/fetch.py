@@ -26,6 +26,7 @@ from shardcache_server.objects import (
     CREDENTIALS_HINT,
     _version_of,
     is_missing_credentials,
+    no_credentials,
 )
 
 __all__ = ["Fetcher", "read_ranges"]
@@ -156,10 +157,7 @@ class Fetcher:
                 ):
                     raise
                 if is_missing_credentials(exc):  # not the source's fault: no retry
-                    raise RemoteFetchError(
-                        f"reading {url!r} found no credentials "
-                        f"({type(exc).__name__}). {CREDENTIALS_HINT}"
-                    ) from exc
+                    raise no_credentials("reading", url, exc) from exc
                 last = exc
                 await self._note_throttle(url, exc)
                 if "Checksum" in type(exc).__name__:
@@ -422,10 +420,7 @@ def read_ranges(
         if _is_precondition_failed(exc):
             raise _stale(url, etag, "a newer one") from exc
         if is_missing_credentials(exc):
-            raise RemoteFetchError(
-                f"reading {url!r} found no credentials ({type(exc).__name__}). "
-                f"{CREDENTIALS_HINT}"
-            ) from exc
+            raise no_credentials("reading", url, exc) from exc
         if not isinstance(exc, OSError | TimeoutError) and (
             type(exc).__module__.split(".")[0] not in _CLIENT_MODULES
         ):

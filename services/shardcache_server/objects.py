@@ -94,6 +94,14 @@ def is_missing_credentials(exc: BaseException) -> bool:
     return type(exc).__name__ in _NO_CREDENTIALS
 
 
+def no_credentials(action: str, url: str, exc: BaseException) -> RemoteFetchError:
+    """The error for ``action`` (listing, reading) ``url`` without credentials."""
+    return RemoteFetchError(
+        f"{action} {url!r} found no credentials ({type(exc).__name__}). "
+        f"{CREDENTIALS_HINT}"
+    )
+
+
 def _failed(url: str, exc: BaseException) -> RemoteFetchError:
     if isinstance(exc, PermissionError):
         return RemoteFetchError(
@@ -101,10 +109,7 @@ def _failed(url: str, exc: BaseException) -> RemoteFetchError:
             f"storage_options. {CREDENTIALS_HINT}"
         )
     if is_missing_credentials(exc):
-        return RemoteFetchError(
-            f"listing {url!r} found no credentials ({type(exc).__name__}). "
-            f"{CREDENTIALS_HINT}"
-        )
+        return no_credentials("listing", url, exc)
     return RemoteFetchError(
         f"listing {url!r} failed: {type(exc).__name__}: {exc}. Check the "
         "credentials and endpoint in storage_options."
