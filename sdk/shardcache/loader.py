@@ -66,6 +66,18 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     return tuple(_to_device(v, device) for v in batch)
 
 
+def _used_on(batch: Any, stream: torch.cuda.Stream) -> None:
+    """Tell the caching allocator the batch is read on ``stream``: it was
+    allocated on the copy stream, and without this the allocator may hand
+    its memory to the next copy as soon as the caller drops it, while the
+    step's kernels queued on ``stream`` still read it."""
+    if isinstance(batch, torch.Tensor):
+        batch.record_stream(stream)
+        return
+    for value in batch.values() if isinstance(batch, dict) else batch:
+        _used_on(value, stream)
+
+
 class BatchLoader:
     """Iterates this rank's batches for the dataset's current epoch.
 
@@ -158,7 +170,9 @@ class BatchLoader:
             if ahead is not None:
                 self._in_flight = n
                 yield ahead
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+            main = torch.cuda.current_stream(self.device)
+            main.wait_stream(stream)
+            _used_on(copied, main)
             ahead = copied
             self._in_flight = n
         if ahead is not None:
