@@ -266,8 +266,11 @@ class _ShortBody(OSError):
 
 def _is_transient(exc: BaseException) -> bool:
     """Worth another GET: a dropped or cut connection, a timeout, a 5xx. Not
-    a missing object, a denied one, or a 412 (another version: final)."""
+    a missing object, a denied one, a 412 (another version: final), or no
+    credentials (botocore's ``NoCredentialsError``: asking again finds none)."""
     if isinstance(exc, FileNotFoundError | PermissionError):
+        return False
+    if is_missing_credentials(exc):
         return False
     if _is_precondition_failed(exc):
         return False

@@ -16,7 +16,7 @@ from shardcache.errors import RemoteFetchError
 from shardcache.manifest import sample_hash
 from shardcache_server import objects
 from shardcache_server.emulator import FaultPlan
-from shardcache_server.fetch import Fetcher
+from shardcache_server.fetch import Fetcher, read_ranges
 from shardcache_server.listing import Listings, list_in_thread
 from shardcache_server.objects import _version_of, list_source
 
@@ -333,3 +333,23 @@ def test_no_credentials_is_named_with_where_the_stores_find_them(
     with pytest.raises(RemoteFetchError, match="found no credentials") as fetch:
         asyncio.run(read())
     assert "attempts" not in str(fetch.value) and "throttling" not in str(fetch.value)
+
+    # A packed file's ranged read: asked once, not once per retry.
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+    calls = []
+    real = fs._call_s3
+
+    async def counted(method: str, *args: Any, **kw: Any) -> Any:
+        calls.append(method)
+        return await real(method, *args, **kw)
+
+    monkeypatch.setattr(fs, "_call_s3", counted)
+    with pytest.raises(RemoteFetchError, match="found no credentials") as ranged:
+        read_ranges(
+            fs, f"{bucket}/nc/a.bin", [(0, 8)],
+            url=f"s3://{bucket}/nc/a.bin", etag="", size=8,
+        )  # fmt: skip
+    assert "attempts" not in str(ranged.value)
+    assert calls == ["get_object"], calls
