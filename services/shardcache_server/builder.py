@@ -39,8 +39,11 @@ from shardcache_server.settings import ServiceSettings
 from shardcache_server.variants import VariantRequest, build_variant
 
 __all__ = [
+    "BUILD_WORKER_PREFIX",
     "BuildRequest",
+    "BuildWorker",
     "RayChunkBuilder",
+    "build_worker_name",
     "build_members",
     "build_request",
     "run_build",
@@ -320,58 +323,93 @@ def run_build(
     return build_members(ServiceSettings(**settings_dump), req)
 
 
-def _warm_up() -> int:
-    """Runs in a build worker when the store starts: the imports are paid then."""
-    import fsspec  # noqa: F401
+BUILD_WORKER_PREFIX = "build-"
 
-    return len(_FETCHERS)
+
+def build_worker_name(node_id: str, slot: int) -> str:
+    return f"{BUILD_WORKER_PREFIX}{node_id}-{slot}"
+
+
+class BuildWorker:
+    """One build at a time in a process of its own, kept for the node's life.
+
+    Why an actor and not a task: the store is detached, so its tasks run
+    under the job of the script that first started it, and once that script
+    ends Ray counts the job finished and kills each of its idle workers. With
+    tasks, every later script's cold chunks each started a new worker
+    process (~1 s of imports apiece: a cold first batch of 8 s instead of
+    0.6 s on 2 cores, after the demo had run once). A detached actor stays.
+    """
+
+    def __init__(self) -> None:
+        import fsspec  # noqa: F401  (the imports are paid at start, not per build)
+
+    def ready(self) -> int:
+        return len(_FETCHERS)
+
+    def run(
+        self, settings_dump: dict[str, Any], req: BuildRequest | VariantRequest
+    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        return run_build(settings_dump, req)
 
 
 class RayChunkBuilder:
-    """Submits builds as Ray tasks pinned to ``node_id``, at most ``workers`` at once.
+    """Runs builds on ``workers`` build actors pinned to ``node_id``, one each at a time.
 
-    The task's first return value (the columns) stays in the node's object
+    The call's first return value (the columns) stays in the node's object
     store and is owned by the calling store; only the small report travels
-    back to the store's event loop.
+    back to the store's event loop. The actors are detached and named
+    (``build-<node>-<slot>`` in the store's Ray namespace), so a restarted
+    store finds them; ``cluster.kill_stores`` kills them with the stores.
     """
 
-    def __init__(self, settings: ServiceSettings, node_id: str, workers: int):
+    def __init__(
+        self, settings: ServiceSettings, node_id: str, workers: int, namespace: str
+    ):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self._settings = settings.model_dump()
-        self._sem = asyncio.Semaphore(workers)
         self.workers = workers
-        # num_cpus=0: the store's semaphore sizes the pool to the node, and a
-        # build never waits behind training workers that reserved every CPU.
-        self._task = ray.remote(run_build).options(
-            num_returns=2,
-            num_cpus=0,
-            max_retries=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        )
-
-        # Start the node's build workers now, not on the first cold batch: a
-        # Ray worker process takes ~1 s to start and import numpy and fsspec.
-        warm = ray.remote(_warm_up).options(
-            num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        )
-        self._warming = [warm.remote() for _ in range(workers)]
+        actor_cls = ray.remote(BuildWorker)
+        # num_cpus=0: the pool's size is the node's CPUs, and a build never
+        # waits behind training workers that reserved every CPU. Started now
+        # (they begin importing at once), not on the first cold batch.
+        self._idle: asyncio.Queue[Any] = asyncio.Queue()
+        for slot in range(workers):
+            self._idle.put_nowait(
+                actor_cls.options(
+                    name=build_worker_name(node_id, slot),
+                    namespace=namespace,
+                    lifetime="detached",
+                    get_if_exists=True,
+                    max_restarts=-1,
+                    num_cpus=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(
+                        node_id, soft=False
+                    ),
+                ).remote()
+            )
 
     async def build(
         self, req: BuildRequest | VariantRequest
     ) -> tuple[Any, dict[str, Any]]:
         import ray
 
-        async with self._sem:
-            columns_ref, report_ref = self._task.remote(self._settings, req)
-            try:
-                report = await report_ref
-            except ray.exceptions.RayTaskError as exc:
-                # The project's own error reaches the rank as itself, not as
-                # a BackendError carrying a Ray traceback.
-                if isinstance(exc.cause, ShardCacheError):
-                    raise exc.cause from None
-                raise
+        worker = await self._idle.get()
+        try:
+            columns_ref, report_ref = worker.run.options(num_returns=2).remote(
+                self._settings, req
+            )
+            report = await report_ref
+        except ray.exceptions.RayTaskError as exc:
+            # The project's own error reaches the rank as itself, not as
+            # a BackendError carrying a Ray traceback.
+            if isinstance(exc.cause, ShardCacheError):
+                raise exc.cause from None
+            raise
+        finally:
+            # A worker that died is restarted by Ray (max_restarts=-1) and
+            # its handle stays good: it goes back to the pool either way.
+            self._idle.put_nowait(worker)
         return columns_ref, report

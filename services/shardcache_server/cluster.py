@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -9,6 +10,7 @@ from typing import Any
 
 from shardcache.errors import IndexUnavailable, ShardUnavailable
 from shardcache.redaction import redact_url
+from shardcache_server.builder import BUILD_WORKER_PREFIX
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.store import ray_namespace, start_shard, store_name
 
@@ -183,4 +185,11 @@ def kill_stores(namespace: str) -> int:
         if handle is not None:
             ray.kill(handle, no_restart=True)
             killed += 1
+    # The stores' build actors are detached too (builder.BuildWorker).
+    ours = ray_namespace(namespace)
+    for found in ray.util.list_named_actors(all_namespaces=True):
+        name = found["name"]
+        if found["namespace"] == ours and name.startswith(BUILD_WORKER_PREFIX):
+            with contextlib.suppress(ValueError):  # gone meanwhile
+                ray.kill(ray.get_actor(name, namespace=ours), no_restart=True)
     return killed

@@ -57,7 +57,10 @@ class RayCacheShard(CacheShard):
     def _ensure_started(self) -> None:
         if self._builder is None:
             self._builder = RayChunkBuilder(
-                self.settings, self.node_id, _build_workers(self.settings, self.node_id)
+                self.settings,
+                self.node_id,
+                _build_workers(self.settings, self.node_id),
+                ray_namespace(self.settings.namespace),
             )
         super()._ensure_started()
 
