@@ -474,6 +474,12 @@ class DistributedCachedDataset(Dataset[Any]):
         torchdata's ``StatefulDataLoader``, whose state needs no count).
         Merge every rank's state (:meth:`merge_states`, :meth:`gather_state_dict`)
         to resume at another world size.
+
+        Raises:
+            ConfigError: no ``consumed``, and DataLoader workers read this
+                epoch's samples (this process's sampler handed out a batch or
+                more that this process did not read): the workers read ahead
+                of the loop, so the count here would replay what it took.
         """
         return self._slot.state(consumed)
 

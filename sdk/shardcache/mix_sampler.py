@@ -28,7 +28,7 @@ from shardcache.mix_order import (
 )
 from shardcache.mix_progress import Progress, deal, deal_lengths
 from shardcache.resume.state import by_rank
-from shardcache.sharding import validate_world
+from shardcache.sharding import epoch_number, validate_world
 from shardcache.world import LazyWorld
 
 __all__ = [
@@ -183,7 +183,7 @@ class MixtureSampler(DistributedSampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` (its weights from the schedule); the same epoch
         again keeps a resume pending for it."""
-        epoch = int(epoch)
+        epoch = epoch_number(epoch)
         if epoch != self.epoch:
             self.epoch, self.weights = epoch, self.weights_for(epoch)
             self.progress, self._skip, self._yielded = Progress(), 0, 0
@@ -202,6 +202,14 @@ class MixtureSampler(DistributedSampler[int]):
         skip, self._skip = self._skip, 0
         self._used = True
         return skip
+
+    def skipped_this_epoch(self) -> int:
+        """The resume's skip while pending (what ``ShardBatchSampler`` asks)."""
+        return self._skip
+
+    @property
+    def share(self) -> int:
+        return self.lengths()[self.rank]
 
     def __len__(self) -> int:
         return self.lengths()[self.rank]

@@ -35,7 +35,12 @@ from shardcache.resume import (
     plan_resume,
     world_shards,
 )
-from shardcache.sharding import epoch_order, global_order, validate_world
+from shardcache.sharding import (
+    epoch_number,
+    epoch_order,
+    global_order,
+    validate_world,
+)
 from shardcache.world import LazyWorld, World
 
 __all__ = [
@@ -145,6 +150,7 @@ class ShardSampler(DistributedSampler[int]):
         self._layout = ChunkLayout.from_sizes(self.sizes)
         self.epoch = 0
         self._skip = 0
+        self._epoch_skip = (-1, 0)  # (epoch, samples a resume skips in it)
         self._yielded = 0
         # An epoch resumed elastically: its epoch, the merged old state and the
         # nodes (to save and recompute it), this rank's order, all lengths.
@@ -250,12 +256,14 @@ class ShardSampler(DistributedSampler[int]):
             ConfigError: a process group started since the rank was read and
                 disagrees with it (see :class:`~shardcache.world.LazyWorld`).
         """
-        epoch = int(epoch)
+        epoch = epoch_number(epoch)
         # A resume pending for this very epoch keeps its position.
         resuming = epoch == self.epoch and self._skip > 0
         if epoch != self.epoch:
             self._skip = 0
             self._yielded = 0
+        if not resuming:
+            self._epoch_skip = (-1, 0)
         self.epoch = epoch
         self._check_world()
         self._audit.reset()
@@ -323,6 +331,18 @@ class ShardSampler(DistributedSampler[int]):
     def resume(self, epoch: int, consumed: int) -> None:
         """Continue ``epoch`` after its first ``consumed`` samples (once)."""
         self.epoch, self._skip = int(epoch), int(consumed)
+        self._epoch_skip = (self.epoch, self._skip)
+
+    def skipped_this_epoch(self) -> int:
+        """The samples a same-world resume skips in the current epoch, pending
+        or already taken (0 in any other epoch)."""
+        epoch, skip = self._epoch_skip
+        return skip if epoch == self.epoch else 0
+
+    @property
+    def share(self) -> int:
+        """This rank's samples in the whole epoch, a resume's skip included."""
+        return self.lengths()[self.rank]
 
     def resume_elastic(
         self, merged: Mapping[str, Any], nodes: Sequence[str] | None
@@ -405,8 +425,15 @@ class ShardSampler(DistributedSampler[int]):
             self._yielded += 1
             yield i
 
+    def handed_out(self) -> int:
+        """Indices this process's iteration of the current epoch handed out,
+        the resume's skip included (0 before the first)."""
+        return self._yielded
+
     def __len__(self) -> int:
-        return self.lengths()[self.rank]
+        # What this epoch's pass yields: after a same-world resume, the rest
+        # (as after an elastic one), so len(loader) is the steps left.
+        return self.share - self.skipped_this_epoch()
 
     def batches(self, batch_size: int, drop_last: bool = False) -> ShardBatchSampler:
         """Batches with the same step count on every rank, for

@@ -12,6 +12,7 @@ at most one sample per rank.
 from __future__ import annotations
 
 import hashlib
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ __all__ = [
     "assign_shards",
     "epoch_order",
     "global_order",
+    "epoch_number",
     "validate_world",
 ]
 
@@ -41,6 +43,31 @@ def validate_world(rank: int, world_size: int) -> None:
             f"rank must be an integer in [0, world_size={world_size}), got {rank!r}. "
             "Check RANK and WORLD_SIZE or the rank/world_size arguments."
         )
+
+
+def epoch_number(epoch: object) -> int:
+    """``set_epoch``'s argument as an int: a non-negative whole number (numpy's
+    too), never a string or a bool that ``int()`` would take silently.
+
+    >>> epoch_number(3)
+    3
+    >>> epoch_number("1")
+    Traceback (most recent call last):
+    ...
+    shardcache.errors.ConfigError: set_epoch(epoch) takes an integer >= 0 (the same on every rank), got '1'.
+    """
+    # A whole float (1.0) passes: some trainers count epochs in floats.
+    if (
+        isinstance(epoch, bool)
+        or not isinstance(epoch, numbers.Real)
+        or not float(epoch).is_integer()
+        or epoch < 0
+    ):
+        raise ConfigError(
+            "set_epoch(epoch) takes an integer >= 0 (the same on every rank), "
+            f"got {epoch!r}."
+        )
+    return int(epoch)
 
 
 def _key_hashes(keys: Sequence[str], seed: int) -> np.ndarray:

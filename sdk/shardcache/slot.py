@@ -22,6 +22,7 @@ from typing import Any
 
 from torch.utils.data import get_worker_info
 
+from shardcache.errors import ConfigError
 from shardcache.generations import Generations, layout_digest
 from shardcache.job import JobId, agree_in_process_group, warn_unshared
 from shardcache.manifest import Manifest
@@ -140,7 +141,16 @@ class SessionSlot:
             session.generation()
 
     def state(self, consumed: int | None) -> dict[str, Any]:
-        """``DistributedCachedDataset.state_dict``: the position and what was read."""
+        """``DistributedCachedDataset.state_dict``: the position and what was read.
+
+        Raises:
+            ConfigError: ``consumed`` not given, and this process's sampler
+                handed out more of the epoch than this process read (by a
+                batch or more): DataLoader workers read it, and only the
+                loop knows how many of their batches it took.
+        """
+        if consumed is None:
+            self._check_reads_are_here()
         return {
             **self.sampler.state(),
             "dataset": self.spec.name,
@@ -150,6 +160,26 @@ class SessionSlot:
             "layout": layout_digest(self.sampler.sizes),
             "node": current_node(),
         }
+
+    def _check_reads_are_here(self) -> None:
+        # With workers, the sampler runs here and the reads in the workers,
+        # which fetch prefetch_factor * num_workers batches ahead of the
+        # loop: the count read here (none) would resume the epoch from its
+        # start, replaying every batch taken. A drop_last tail the batch
+        # sampler drew but never read is less than a batch.
+        handed_out = self.sampler.handed_out()
+        read_here = self.session.consumed
+        if handed_out - read_here >= max(self.session.batch_size, 1):
+            raise ConfigError(
+                f"state_dict(): this process's sampler handed out {handed_out} "
+                f"samples of epoch {self.sampler.epoch} and this process read "
+                f"{read_here} of them: DataLoader workers read the rest, ahead "
+                "of your loop, so the count of samples your loop consumed is "
+                "not known here. Pass it: ds.state_dict(consumed=step * "
+                "batch_size) (this rank's samples taken this epoch), or use "
+                "torchdata's StatefulDataLoader (exact, no count needed), or "
+                "ds.loader(batch_size)."
+            )
 
     def resume(
         self,
