@@ -294,6 +294,15 @@ class DatasetSpec:
         open_token(revalidate, "")  # validated before any I/O
         storage_options = dict(storage_options or {})
         packed = format or (None if source_dataset is not None else format_of(urls))
+        if format_options and not packed:
+            raise ConfigError(
+                f"format_options={dict(format_options)!r} given, but "
+                f"{source_summary(urls) if source_dataset is None else 'a wrapped Dataset'} "
+                "is read one object per sample (no packed format), where they "
+                "mean nothing. Pass format= (tar, parquet, hdf5, lmdb, npy) for "
+                "a packed source, or drop format_options and decode each "
+                "object with preprocess=."
+            )
         return cls(
             urls=urls if isinstance(urls, str) else list(urls),
             name=validate_name("name", name)

@@ -317,6 +317,7 @@ def test_dataset_bad_arguments_are_config_errors(
         ({"chunk_samples": True}, "chunk_samples"),
         ({"storage_options": "x"}, "storage_options must be a dict"),
         ({"format_options": ["x"]}, "format_options must be a dict"),
+        ({"format_options": {"columns": ["x"]}}, "read one object per sample"),
         ({"version": 3}, "version must be a string"),
         ({"prefetch_batches": -1}, "^prefetch_batches: Input should be greater"),
         ({"redis_url": "http://:s3cretPW@10.0.0.1:1/0"}, "^redis_url: redis_url must"),
