@@ -26,11 +26,10 @@ class RankOrder(Protocol):
     two modules importing each other."""
 
     _yielded: int
-    share: int
+    pending_skip: int
 
     def __len__(self) -> int: ...
     def lengths(self) -> list[int]: ...
-    def skipped_this_epoch(self) -> int: ...
     def order(self) -> np.ndarray: ...
     def _begin_pass(self) -> int: ...
     def state_dict(self) -> dict[str, Any]: ...
@@ -103,7 +102,7 @@ class ShardBatchSampler(Sampler[list[int]]):
         s = self.sampler
         # Ranks move in lockstep, so every rank skipped ``start`` samples too.
         shortest = max(min(s.lengths()) - start, 0)
-        return batch_bounds(s.share - start, shortest, self.batch_size, self.drop_last)
+        return batch_bounds(len(s) - start, shortest, self.batch_size, self.drop_last)
 
     def __iter__(self) -> Iterator[list[int]]:
         s = self.sampler
@@ -114,7 +113,7 @@ class ShardBatchSampler(Sampler[list[int]]):
             yield order[start + lo : start + hi].tolist()
 
     def __len__(self) -> int:
-        return len(self._bounds(self.sampler.skipped_this_epoch()))
+        return len(self._bounds(self.sampler.pending_skip))
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()

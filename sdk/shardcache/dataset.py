@@ -470,7 +470,8 @@ class DistributedCachedDataset(Dataset[Any]):
         generation and the sample layout's digest.
 
         ``consumed`` overrides the count seen by this process (pass it when
-        DataLoader workers fetch, e.g. ``batches_done * batch_size``; or use
+        DataLoader workers fetch: the samples this rank took this epoch,
+        counted from the epoch's start, a resumed run's count included; or use
         torchdata's ``StatefulDataLoader``, whose state needs no count).
         Merge every rank's state (:meth:`merge_states`, :meth:`gather_state_dict`)
         to resume at another world size.

@@ -126,10 +126,10 @@ class BatchLoader:
 
     def __len__(self) -> int:
         sampler = self.dataset.sampler
-        # Ranks resume in lockstep: every rank skipped the same count.
-        shortest = max(min(sampler.lengths()) - sampler.skipped_this_epoch(), 0)
         return len(
-            batch_bounds(len(sampler), shortest, self.batch_size, self.drop_last)
+            batch_bounds(
+                len(sampler), min(sampler.lengths()), self.batch_size, self.drop_last
+            )
         )
 
     def _host_batches(self) -> Iterator[Any]:

@@ -203,14 +203,6 @@ class MixtureSampler(DistributedSampler[int]):
         self._used = True
         return skip
 
-    def skipped_this_epoch(self) -> int:
-        """The resume's skip while pending (what ``ShardBatchSampler`` asks)."""
-        return self._skip
-
-    @property
-    def share(self) -> int:
-        return self.lengths()[self.rank]
-
     def __len__(self) -> int:
         return self.lengths()[self.rank]
 

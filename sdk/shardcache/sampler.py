@@ -150,7 +150,6 @@ class ShardSampler(DistributedSampler[int]):
         self._layout = ChunkLayout.from_sizes(self.sizes)
         self.epoch = 0
         self._skip = 0
-        self._epoch_skip = (-1, 0)  # (epoch, samples a resume skips in it)
         self._yielded = 0
         # An epoch resumed elastically: its epoch, the merged old state and the
         # nodes (to save and recompute it), this rank's order, all lengths.
@@ -253,8 +252,9 @@ class ShardSampler(DistributedSampler[int]):
         """Start ``epoch`` here and in the dataset (``ds.set_epoch`` is the same).
 
         Raises:
-            ConfigError: a process group started since the rank was read and
-                disagrees with it (see :class:`~shardcache.world.LazyWorld`).
+            ConfigError: ``epoch`` is not a whole number >= 0, or a process
+                group started since the rank was read and disagrees with it
+                (see :class:`~shardcache.world.LazyWorld`).
         """
         epoch = epoch_number(epoch)
         # A resume pending for this very epoch keeps its position.
@@ -262,8 +262,6 @@ class ShardSampler(DistributedSampler[int]):
         if epoch != self.epoch:
             self._skip = 0
             self._yielded = 0
-        if not resuming:
-            self._epoch_skip = (-1, 0)
         self.epoch = epoch
         self._check_world()
         self._audit.reset()
@@ -331,18 +329,7 @@ class ShardSampler(DistributedSampler[int]):
     def resume(self, epoch: int, consumed: int) -> None:
         """Continue ``epoch`` after its first ``consumed`` samples (once)."""
         self.epoch, self._skip = int(epoch), int(consumed)
-        self._epoch_skip = (self.epoch, self._skip)
 
-    def skipped_this_epoch(self) -> int:
-        """The samples a same-world resume skips in the current epoch, pending
-        or already taken (0 in any other epoch)."""
-        epoch, skip = self._epoch_skip
-        return skip if epoch == self.epoch else 0
-
-    @property
-    def share(self) -> int:
-        """This rank's samples in the whole epoch, a resume's skip included."""
-        return self.lengths()[self.rank]
 
     def resume_elastic(
         self, merged: Mapping[str, Any], nodes: Sequence[str] | None
@@ -431,9 +418,7 @@ class ShardSampler(DistributedSampler[int]):
         return self._yielded
 
     def __len__(self) -> int:
-        # What this epoch's pass yields: after a same-world resume, the rest
-        # (as after an elastic one), so len(loader) is the steps left.
-        return self.share - self.skipped_this_epoch()
+        return self.lengths()[self.rank]
 
     def batches(self, batch_size: int, drop_last: bool = False) -> ShardBatchSampler:
         """Batches with the same step count on every rank, for

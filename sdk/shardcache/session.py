@@ -333,7 +333,7 @@ class RankSession:
             self._prefetched_to = (key, max(end, start))
         if (
             not self.epoch_reported
-            and self.cursor >= self.sampler.share
+            and self.cursor >= len(self.sampler)
             and get_worker_info() is None  # a worker sees only part of it
         ):
             # The rank's share of the epoch is delivered: its numbers go out

@@ -11,8 +11,10 @@ at most one sample per rank.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import numbers
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,18 +58,20 @@ def epoch_number(epoch: object) -> int:
     ...
     shardcache.errors.ConfigError: set_epoch(epoch) takes an integer >= 0 (the same on every rank), got '1'.
     """
-    # A whole float (1.0) passes: some trainers count epochs in floats.
-    if (
-        isinstance(epoch, bool)
-        or not isinstance(epoch, numbers.Real)
-        or not float(epoch).is_integer()
-        or epoch < 0
-    ):
+    # Integers of any kind (numpy's, a one-element torch tensor: __index__)
+    # and a whole float (some trainers count epochs in floats) pass.
+    value: int | None = None
+    if not isinstance(epoch, bool | str):
+        with contextlib.suppress(TypeError, ValueError, RuntimeError):
+            value = operator.index(epoch)  # type: ignore[arg-type]
+        if value is None and isinstance(epoch, numbers.Real):
+            value = int(epoch) if float(epoch).is_integer() else None
+    if value is None or value < 0:
         raise ConfigError(
             "set_epoch(epoch) takes an integer >= 0 (the same on every rank), "
             f"got {epoch!r}."
         )
-    return int(epoch)
+    return value
 
 
 def _key_hashes(keys: Sequence[str], seed: int) -> np.ndarray:

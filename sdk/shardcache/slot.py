@@ -167,6 +167,11 @@ class SessionSlot:
         # loop: the count read here (none) would resume the epoch from its
         # start, replaying every batch taken. A drop_last tail the batch
         # sampler drew but never read is less than a batch.
+        if get_worker_info() is not None:
+            # A worker's copy of the sampler is the main process's, pickled
+            # (StatefulDataLoader asks a worker for the dataset's state; its
+            # own snapshot is what resumes).
+            return
         handed_out = self.sampler.handed_out()
         read_here = self.session.consumed
         if handed_out - read_here >= max(self.session.batch_size, 1):
@@ -175,10 +180,11 @@ class SessionSlot:
                 f"samples of epoch {self.sampler.epoch} and this process read "
                 f"{read_here} of them: DataLoader workers read the rest, ahead "
                 "of your loop, so the count of samples your loop consumed is "
-                "not known here. Pass it: ds.state_dict(consumed=step * "
-                "batch_size) (this rank's samples taken this epoch), or use "
-                "torchdata's StatefulDataLoader (exact, no count needed), or "
-                "ds.loader(batch_size)."
+                "not known here. Pass it: ds.state_dict(consumed=N), N the "
+                "samples this rank took this epoch counted from the epoch's "
+                "start (in a resumed run, the resumed count plus those taken "
+                "since), or use torchdata's StatefulDataLoader (exact, no "
+                "count needed), or ds.loader(batch_size)."
             )
 
     def resume(
@@ -191,6 +197,10 @@ class SessionSlot:
         the session at the rest of the saved epoch; returns what a resume
         across a source change crossed (``None`` when it crossed none)."""
         check_on_change(on_change)
+        # The world first: resolving it may renew the session (a dataset
+        # built before the process group), and the count must reach the
+        # session that reads next, not the one it replaced.
+        self.sampler.rank  # noqa: B018
         session = self.session
         explain = partial(
             self.generations.explain, session.client, current=session.manifest
@@ -206,7 +216,7 @@ class SessionSlot:
             layout=layout_digest(self.sampler.sizes),
             dataset=self.spec.name,
         )
-        session.consumed = session.cursor = consumed
+        self.session.consumed = self.session.cursor = consumed
         return crossed_listing(state, digest, explain, self.spec.name)
 
     def warm(self, steps: int, batch_size: int, *, progress: bool) -> dict[str, int]:

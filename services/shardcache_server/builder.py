@@ -372,31 +372,33 @@ class RayChunkBuilder:
         self._settings = settings.model_dump()
         self.workers = workers
         actor_cls = ray.remote(BuildWorker)
-        # num_cpus=0: the pool's size is the node's CPUs, and a build never
-        # waits behind training workers that reserved every CPU. Started now
-        # (they begin importing at once), not on the first cold batch.
-        self._idle: asyncio.Queue[Any] = asyncio.Queue()
+
+        def start(slot: int) -> Any:
+            # num_cpus=0: the pool's size is the node's CPUs, and a build
+            # never waits behind training workers that reserved every CPU.
+            return actor_cls.options(
+                name=build_worker_name(node_id, slot),
+                namespace=namespace,
+                lifetime="detached",
+                get_if_exists=True,
+                max_restarts=-1,
+                num_cpus=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote()
+
+        self._start = start
+        # Started now (they begin importing at once), not on the first cold
+        # batch; a slot is (its number, its actor).
+        self._idle: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         for slot in range(workers):
-            self._idle.put_nowait(
-                actor_cls.options(
-                    name=build_worker_name(node_id, slot),
-                    namespace=namespace,
-                    lifetime="detached",
-                    get_if_exists=True,
-                    max_restarts=-1,
-                    num_cpus=0,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(
-                        node_id, soft=False
-                    ),
-                ).remote()
-            )
+            self._idle.put_nowait((slot, start(slot)))
 
     async def build(
         self, req: BuildRequest | VariantRequest
     ) -> tuple[Any, dict[str, Any]]:
         import ray
 
-        worker = await self._idle.get()
+        slot, worker = await self._idle.get()
         try:
             columns_ref, report_ref = worker.run.options(num_returns=2).remote(
                 self._settings, req
@@ -408,8 +410,12 @@ class RayChunkBuilder:
             if isinstance(exc.cause, ShardCacheError):
                 raise exc.cause from None
             raise
+        except ray.exceptions.RayActorError:
+            # Its process died. Ray restarts it (max_restarts=-1), but one
+            # killed for good (ray.kill) never comes back: look the slot up
+            # by name again, starting a new actor where the old one is gone.
+            worker = self._start(slot)
+            raise
         finally:
-            # A worker that died is restarted by Ray (max_restarts=-1) and
-            # its handle stays good: it goes back to the pool either way.
-            self._idle.put_nowait(worker)
+            self._idle.put_nowait((slot, worker))
         return columns_ref, report

@@ -1,8 +1,8 @@
 """Build one augmented variant of a chunk from its base form (``variants=K``).
 
-Runs where chunk builds run: a Ray task pinned to the store's node, behind
-the same semaphore as builds from the source (``builder.run_build``
-dispatches on the request), so augmentation uses the node's cores and never
+Runs where chunk builds run: on one of the node's build actors, from the
+same pool as builds from the source (``builder.run_build`` dispatches on
+the request), so augmentation uses the node's cores and never
 the store's event loop or a rank. The variant is a chunk like any other
 (columns, ``__failed__``, ``__checksum__``) plus ``__variant__``, its number;
 what the rank reads and checks is the same code path.

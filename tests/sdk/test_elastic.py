@@ -197,3 +197,27 @@ def test_stateful_dataloader_with_two_workers_resumes_mid_epoch_exactly(
     # The next epoch is whole again.
     fresh.set_epoch(2)
     assert sorted(i for b in resumed for i in ids(b)) == list(range(40))
+
+
+@pytest.mark.timeout(300)  # spawned DataLoader workers import torch and Ray
+def test_stateful_dataloader_with_workers_passes_one_epoch_twice(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
+    # torchdata asks each worker for the dataset's state_dict() when the
+    # worker starts; a worker's sampler is the main process's, pickled after
+    # a whole pass, and its own session read nothing: that is not the
+    # "workers read ahead of the loop" case the main process refuses.
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    url = _data(s3fs_client, bucket, count=16)
+    ds = DistributedCachedDataset(
+        url, storage_options=s3.storage_options(), redis_url=redis_url,
+        namespace=namespace, chunk_samples=4, seed=4,
+    )  # fmt: skip
+    ds.set_epoch(0)
+    loader = StatefulDataLoader(
+        ds, batch_size=4, sampler=ds.sampler, num_workers=2, collate_fn=list,
+        multiprocessing_context="spawn", persistent_workers=False,
+    )  # fmt: skip
+    for _ in range(2):  # the same epoch again, no set_epoch between
+        assert sorted(int(t[0]) for b in loader for t in b) == list(range(16))

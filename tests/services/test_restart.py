@@ -150,3 +150,37 @@ def test_rank_killed_mid_epoch_job_restarts_with_nothing_cleaned_by_hand(
     assert result == {"wrong": 0, "read": 96}
     # The killed run had cached every chunk: the restarted job reads none.
     assert s3.total_gets == gets_before == 48
+
+
+def test_a_build_actor_killed_for_good_is_replaced_by_name(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
+    # Ray restarts a build actor whose process dies (max_restarts=-1), but
+    # not one killed with no_restart: its slot must not fail every build
+    # after it until the store restarts.
+    from shardcache.errors import ShardCacheError
+    from shardcache_server.builder import build_worker_name
+    from shardcache_server.store import ray_namespace
+
+    s3fs_client.pipe({f"{bucket}/k/{i:02d}": bytes([i]) * 32 for i in range(8)})
+    ensure_stores(
+        ServiceSettings(redis_url=redis_url, namespace=namespace, build_workers=1)
+    )
+    kw = dict(storage_options=s3.storage_options(), redis_url=redis_url,
+              namespace=namespace, chunk_samples=4, shuffle=False)  # fmt: skip
+    ds = DistributedCachedDataset(f"s3://{bucket}/k/", **kw)
+    assert bytes(ds[0].numpy()) == bytes([0]) * 32  # the store and its builder up
+    node = ray.get_runtime_context().get_node_id()
+    name, ns = build_worker_name(node, 0), ray_namespace(namespace)
+    ray.kill(ray.get_actor(name, namespace=ns), no_restart=True)
+    failed = 0
+    for _ in range(2):  # the build that meets the dead actor may fail
+        try:
+            assert bytes(ds[7].numpy()) == bytes([7]) * 32
+            break
+        except ShardCacheError:
+            failed += 1
+    else:
+        raise AssertionError("every build after the kill failed")
+    assert failed <= 1
+    assert ray.get(ray.get_actor(name, namespace=ns).ready.remote(), timeout=60) >= 0

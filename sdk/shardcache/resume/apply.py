@@ -151,10 +151,10 @@ def apply_state(
         consumed = int(state["consumed"])
     # (Inside an epoch that was itself resumed elastically the order is that
     # plan's; its own length is checked by the plan.)
-    if state.get("resumed_from") is None and consumed > sampler.share:
+    if state.get("resumed_from") is None and consumed > len(sampler):
         raise ConfigError(
             f"state_dict has consumed={consumed} but rank {sampler.rank}'s epoch "
-            f"has {sampler.share} samples; it was saved with other settings or "
+            f"has {len(sampler)} samples; it was saved with other settings or "
             "changed. Pass the dict that state_dict() returned, unchanged."
         )
     sampler.use_basis(state.get("basis"))

@@ -1,8 +1,8 @@
 """The store as a Ray actor: the only ``ray.remote`` of the store.
 
 Ownership rule: everything that needs Ray to run a store lives here
-(``ray.put``, awaitable ObjectRefs, peers by actor name, builds and
-listings as tasks pinned to the node); ``RayCacheShard`` passes them into
+(``ray.put``, awaitable ObjectRefs, peers by actor name, builds on the
+node's build actors and listings as tasks pinned to the node); ``RayCacheShard`` passes them into
 the plain ``CacheShard``, which tests drive without Ray.
 """
 
