@@ -330,7 +330,6 @@ class ShardSampler(DistributedSampler[int]):
         """Continue ``epoch`` after its first ``consumed`` samples (once)."""
         self.epoch, self._skip = int(epoch), int(consumed)
 
-
     def resume_elastic(
         self, merged: Mapping[str, Any], nodes: Sequence[str] | None
     ) -> ResumePlan:

@@ -27,9 +27,9 @@ __all__ = [
     "assign_chunks",
     "block_shuffle",
     "assign_shards",
+    "epoch_number",
     "epoch_order",
     "global_order",
-    "epoch_number",
     "validate_world",
 ]
 

@@ -216,7 +216,7 @@ class SessionSlot:
             layout=layout_digest(self.sampler.sizes),
             dataset=self.spec.name,
         )
-        self.session.consumed = self.session.cursor = consumed
+        session.consumed = session.cursor = consumed
         return crossed_listing(state, digest, explain, self.spec.name)
 
     def warm(self, steps: int, batch_size: int, *, progress: bool) -> dict[str, int]:

@@ -2,8 +2,9 @@
 
 Ownership rule: everything that needs Ray to run a store lives here
 (``ray.put``, awaitable ObjectRefs, peers by actor name, builds on the
-node's build actors and listings as tasks pinned to the node); ``RayCacheShard`` passes them into
-the plain ``CacheShard``, which tests drive without Ray.
+node's build actors and listings as tasks pinned to the node);
+``RayCacheShard`` passes them into the plain ``CacheShard``, which tests
+drive without Ray.
 """
 
 from __future__ import annotations
