@@ -17,6 +17,7 @@ from three epochs ago, is therefore never overwritten.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -24,7 +25,7 @@ import weakref
 
 import numpy as np
 
-from shardcache.chunk_file import ALIGN_BYTES, aligned_empty
+from shardcache.chunk_file import ALIGN_BYTES
 
 __all__ = ["BATCH_BUFFERS", "ReusedBuffers"]
 
@@ -41,7 +42,7 @@ class ReusedBuffers:
 
     def __init__(self, kept: int):
         self.kept = kept
-        self._raw: list[np.ndarray] = []
+        self._raw: list[tuple[np.ndarray, int]] = []  # (buffer, aligned start)
         self._lock = threading.Lock()
         _POOLS.add(self)
 
@@ -60,22 +61,25 @@ class ReusedBuffers:
         need = size + ALIGN_BYTES
         with self._lock:
             for i in range(len(self._raw)):
-                raw = self._raw[i]
-                # References: this list, ``raw``, getrefcount's argument.
+                raw, start = self._raw[i]
+                # References: the pool's tuple, ``raw``, getrefcount's argument.
                 if need <= raw.nbytes <= 2 * need and sys.getrefcount(raw) == 3:
-                    del self._raw[i]  # by position: == on arrays compares values
-                    self._raw.append(raw)  # most recently used last
-                    return aligned_empty(size, raw)
+                    # By position: == on arrays compares values.
+                    entry = self._raw.pop(i)
+                    self._raw.append(entry)  # most recently used last
+                    return raw[start : start + size]
             raw = np.empty(need, dtype=np.uint8)
-            self._raw.append(raw)
+            # The offset to the boundary, once: ``ctypes.data`` costs ~2 us.
+            start = -raw.ctypes.data % ALIGN_BYTES
+            self._raw.append((raw, start))
             if len(self._raw) > self.kept:
                 del self._raw[0]  # dropped from the pool; its views keep it alive
-            return aligned_empty(size, raw)
+            return raw[start : start + size]
 
     def take_array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """An aligned, uninitialised array of ``shape`` and ``dtype`` from the pool."""
         dtype = np.dtype(dtype)
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)  # np.prod's fixed cost is ~5 us a batch
         return self.take(count * dtype.itemsize).view(dtype).reshape(shape)
 
     def _forget(self) -> None:

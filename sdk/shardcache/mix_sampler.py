@@ -206,6 +206,11 @@ class MixtureSampler(DistributedSampler[int]):
     def __len__(self) -> int:
         return self.lengths()[self.rank]
 
+    def handed_out(self) -> int:
+        """Draws this process's iteration of the current epoch handed out,
+        the resume's skip included (0 before the first)."""
+        return self._yielded
+
     def __iter__(self) -> Iterator[int]:
         self._check_world()
         return self._iterate()

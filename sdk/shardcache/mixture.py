@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from shardcache.errors import CollateError, ConfigError
 from shardcache.loader import BatchLoader
@@ -127,6 +127,7 @@ class MixedDataset(Dataset[Any]):
         self._sampler.bind(self._start_epoch)
         self._epoch_started: int | None = None
         self._consumed = 0
+        self._last_batch = 0  # samples in this process's last batch
         self._delivered = np.zeros(len(self.datasets), dtype=np.int64)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -180,6 +181,7 @@ class MixedDataset(Dataset[Any]):
             sel = np.flatnonzero(comp == k)
             parts.append((k, sel, self.datasets[k].collated(local[sel], pin_memory)))
         self._consumed += len(ids)
+        self._last_batch = len(ids)
         self._delivered += np.bincount(comp, minlength=len(self.datasets))
         if len(parts) == 1:
             return parts[0][2]
@@ -255,12 +257,39 @@ class MixedDataset(Dataset[Any]):
         """Where this rank is: the epoch, its weights, the progress it started
         from and the samples it consumed (``consumed`` overrides the count,
         e.g. ``batches * batch_size`` with DataLoader workers), plus every
-        component's listing."""
+        component's listing.
+
+        Raises:
+            ConfigError: no ``consumed`` where DataLoader workers read this
+                epoch's draws (the count here would replay what they read).
+        """
+        if consumed is None:
+            self._check_reads_are_here()
         return {
             **self._sampler.state(),
             "consumed": self._consumed if consumed is None else int(consumed),
             "listings": self._listings(),
         }
+
+    def _check_reads_are_here(self) -> None:
+        # As DistributedCachedDataset's: with workers the sampler runs here
+        # and the reads there, ahead of the loop, so the count here (none)
+        # would resume the epoch from its start. A worker's sampler is a
+        # pickled copy (StatefulDataLoader asks workers for their state).
+        if get_worker_info() is not None:
+            return
+        handed_out = self._sampler.handed_out()
+        if handed_out - self._consumed >= max(self._last_batch, 1):
+            raise ConfigError(
+                f"state_dict(): this process's sampler handed out {handed_out} "
+                f"draws of epoch {self._sampler.epoch} and this process read "
+                f"{self._consumed} of them: DataLoader workers read the rest, "
+                "ahead of your loop, so the draws your loop consumed are not "
+                "known here. Pass them: mix.state_dict(consumed=N) or "
+                "mix.gather_state_dict(consumed=N), N this rank's draws taken "
+                "this epoch counted from the epoch's start, or read with "
+                "mix.loader()."
+            )
 
     @staticmethod
     def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -101,3 +101,38 @@ def test_mixture_bad_input_is_named(parts, tmp_path):
     mix.set_epoch(0)
     with pytest.raises(CollateError, match="differ in shape"):
         list(mix.loader())
+
+
+def test_mixture_state_under_dataloader_workers_asks_for_the_count(parts):
+    # The workers read the draws, ahead of the loop: the count in this
+    # process is 0, and a state saved from it would replay the epoch.
+    web, books, _ = parts
+    mix = MixedDataset([web, books], weights=[2, 1], batch_size=3, rank=0, world_size=1)
+    mix.set_epoch(0)
+    loader = DataLoader(
+        mix, batch_sampler=mix.sampler.batches(), num_workers=2,
+        multiprocessing_context="spawn",
+    )  # fmt: skip
+    taken = []
+    for step, batch in enumerate(loader, start=1):
+        taken.append(batch)
+        if step == 2:
+            break
+    with pytest.raises(ConfigError, match=r"consumed=N"):
+        mix.state_dict()
+    state = mix.state_dict(consumed=6)
+    assert state["consumed"] == 6
+    again = MixedDataset(
+        [web, books], weights=[2, 1], batch_size=3, rank=0, world_size=1
+    )
+    again.load_state_dict(state)
+    rest = list(again.loader())
+    got = sorted(map(tuple, torch.cat(taken + rest).tolist()))
+    assert got == sorted(
+        [(0.0, float(i)) for i in range(12)] + [(1.0, float(i)) for i in range(6)]
+    )
+    # Read in this process, the count is known and no count is asked for.
+    mix.set_epoch(1)
+    in_process = DataLoader(mix, batch_sampler=mix.sampler.batches())
+    next(iter(in_process))
+    assert mix.state_dict()["consumed"] == 3
