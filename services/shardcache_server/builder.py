@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +25,7 @@ from shardcache.checksum import seal
 from shardcache.chunks import SOURCED, Chunk
 from shardcache.decoders import decode_npy, npy_view
 from shardcache.errors import (
+    BackendError,
     CorruptObjectError,
     RemoteFetchError,
     ShardCacheError,
@@ -30,6 +33,7 @@ from shardcache.errors import (
 )
 from shardcache.manifest import Manifest
 from shardcache.packed_manifest import PackedManifest
+from shardcache_server.code_files import changed_modules
 from shardcache_server.columns import build_chunk, column_chunk
 from shardcache_server.fetch import Fetcher
 from shardcache_server.npy_rows import read_npy_column
@@ -48,6 +52,8 @@ __all__ = [
     "build_request",
     "run_build",
 ]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -324,6 +330,10 @@ def run_build(
 
 
 BUILD_WORKER_PREFIX = "build-"
+# Tries of one build: a build actor that died, or one that refused because
+# the user's code changed since it imported it, is replaced and tried again.
+BUILD_ATTEMPTS = 3
+STALE_CODE = "stale_code"  # a refused build's report: the modules that changed
 
 
 def build_worker_name(node_id: str, slot: int) -> str:
@@ -350,7 +360,35 @@ class BuildWorker:
     def run(
         self, settings_dump: dict[str, Any], req: BuildRequest | VariantRequest
     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        # Kept across scripts, this process would build with the code it
+        # imported first: a user module edited since is refused here, and
+        # the builder replaces the process before building (code_files.py).
+        changed = changed_modules()
+        if changed:
+            return {}, {STALE_CODE: changed, "pid": os.getpid()}
         return run_build(settings_dump, req)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+async def _restarted(worker: Any, old_pid: int, timeout_s: float = 120.0) -> None:
+    """Wait until ``worker`` answers from another process than ``old_pid``:
+    a call sent right after ``ray.kill`` may still reach the old one."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if await worker.pid.remote() != old_pid:
+                return
+        except ray.exceptions.RayActorError:
+            pass  # between the two processes
+        await asyncio.sleep(0.05)
+    raise BackendError(
+        f"a build worker did not restart within {timeout_s:.0f} s (its process "
+        "was replaced because the user's code changed on disk); see the Ray logs."
+    )
 
 
 class RayChunkBuilder:
@@ -400,6 +438,36 @@ class RayChunkBuilder:
 
         slot, worker = await self._idle.get()
         try:
+            for attempt in range(BUILD_ATTEMPTS):
+                try:
+                    done = await self._run_once(worker, req)
+                except ray.exceptions.RayActorError:
+                    # Its process died. Ray restarts it (max_restarts=-1), but
+                    # one killed for good (ray.kill) never comes back: look the
+                    # slot up by name again, starting a new actor where the old
+                    # one is gone. A build has no side effects: try it again.
+                    worker = self._start(slot)
+                    if attempt == BUILD_ATTEMPTS - 1:
+                        raise
+                    continue
+                if done is not None:
+                    return done
+            raise BackendError(
+                f"the build of {req.dataset!r} was refused {BUILD_ATTEMPTS} times "
+                "by fresh build processes: the user's modules kept changing on "
+                "disk while they started; build again once the files are saved."
+            )
+        finally:
+            self._idle.put_nowait((slot, worker))
+
+    async def _run_once(
+        self, worker: Any, req: BuildRequest | VariantRequest
+    ) -> tuple[Any, dict[str, Any]] | None:
+        """One try on ``worker``: ``(columns, report)``, or ``None`` where the
+        worker was restarted to run the user's new code (try again)."""
+        import ray
+
+        try:
             columns_ref, report_ref = worker.run.options(num_returns=2).remote(
                 self._settings, req
             )
@@ -410,12 +478,15 @@ class RayChunkBuilder:
             if isinstance(exc.cause, ShardCacheError):
                 raise exc.cause from None
             raise
-        except ray.exceptions.RayActorError:
-            # Its process died. Ray restarts it (max_restarts=-1), but one
-            # killed for good (ray.kill) never comes back: look the slot up
-            # by name again, starting a new actor where the old one is gone.
-            worker = self._start(slot)
-            raise
-        finally:
-            self._idle.put_nowait((slot, worker))
+        if STALE_CODE in report:
+            # The user's code changed on disk since this process imported
+            # it: a fresh process (Ray restarts it) imports the new code.
+            log.info(
+                "build worker (pid %s): %s changed on disk; restarting it to "
+                "build %s with the new code",
+                report["pid"], ", ".join(report[STALE_CODE]), req.dataset,
+            )  # fmt: skip
+            ray.kill(worker, no_restart=False)
+            await _restarted(worker, report["pid"])
+            return None
         return columns_ref, report

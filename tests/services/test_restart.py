@@ -174,7 +174,7 @@ def test_a_build_actor_killed_for_good_is_replaced_by_name(
     name, ns = build_worker_name(node, 0), ray_namespace(namespace)
     ray.kill(ray.get_actor(name, namespace=ns), no_restart=True)
     failed = 0
-    for _ in range(2):  # the build that meets the dead actor may fail
+    for _ in range(2):
         try:
             assert bytes(ds[7].numpy()) == bytes([7]) * 32
             break
@@ -182,5 +182,7 @@ def test_a_build_actor_killed_for_good_is_replaced_by_name(
             failed += 1
     else:
         raise AssertionError("every build after the kill failed")
-    assert failed <= 1
+    # The build that met the dead actor is tried again on its replacement (a
+    # build has no side effects): the rank never sees the death.
+    assert failed == 0
     assert ray.get(ray.get_actor(name, namespace=ns).ready.remote(), timeout=60) >= 0

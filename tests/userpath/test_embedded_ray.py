@@ -12,6 +12,7 @@ import ipaddress
 import json
 import os
 import re
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -294,3 +295,53 @@ def test_a_later_scripts_cold_chunks_are_built_by_the_processes_already_up(user)
     assert done.returncode == 0, done.stderr[-3000:]
     assert seen, "the second script's 4 cold chunks were built by nobody seen"
     assert seen <= kept, f"new build processes {sorted(seen - kept)}; kept {kept}"
+
+
+EDITED_DECODE = """
+    import numpy as np
+
+
+    def decode(raw: bytes):
+        return np.frombuffer(raw, dtype=np.uint8).astype(np.int64) + {offset}
+"""
+
+TRAIN_WITH_MODULE = """
+    import json, sys
+
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from shardcache import DistributedCachedDataset
+    from decode import decode
+
+    dist.init_process_group("gloo")
+    ds = DistributedCachedDataset(sys.argv[1], preprocess=decode, chunk_samples=2)
+    seen = sorted({int(v) for b in DataLoader(ds, batch_size=4, sampler=ds.sampler)
+                   for v in b[:, 0].tolist()})
+    with open(f"{sys.argv[2]}.{dist.get_rank()}.json", "w") as f:
+        json.dump(seen, f)
+"""
+
+
+def test_a_preprocess_edited_in_its_module_builds_the_new_code(user):
+    """The build workers outlive the script, and a preprocess from the
+    user's own module travels by name: without a fresh process a kept
+    worker would build the new generation (the fingerprint saw the edit)
+    with the code it imported for the first script."""
+    data = user.workdir / "data"
+    data.mkdir()
+    for i in range(16):
+        (data / f"{i:03d}.bin").write_bytes(bytes([i]) * 8)
+    script = user.write("train.py", TRAIN_WITH_MODULE)
+    module = user.workdir / "decode.py"
+    out = user.workdir / "seen"
+    for offset in (0, 100):
+        module.write_text(textwrap.dedent(EDITED_DECODE.format(offset=offset)))
+        done = user.torchrun(script, f"file://{data}/*.bin", f"{out}-{offset}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        seen = sorted(
+            v
+            for rank in (0, 1)
+            for v in json.loads(Path(f"{out}-{offset}.{rank}.json").read_text())
+        )
+        assert seen == [i + offset for i in range(16)], (offset, seen)

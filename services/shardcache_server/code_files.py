@@ -1,0 +1,58 @@
+"""Whether the user's code a long-lived process imported has changed on disk since.
+
+A preprocess from the user's own module (``from decode import decode``)
+travels to a build process by name, and that process imports the module
+once: a build worker kept across scripts would go on running the code it
+imported for the first script after the user edited the file. The rank's
+fingerprint sees the edit and starts a new generation, so those chunks
+would be the old code's output cached under the new version. The build
+worker asks :func:`changed_modules` before each build and is replaced by a
+fresh process when the answer is not empty.
+
+Installed code (Python's own library, site-packages) is not watched: it
+changes with an install, which restarts the cluster anyway. What is
+watched is every other module file this process loaded (the user's
+modules, and a checkout on ``PYTHONPATH``), one ``stat`` each per build.
+"""
+
+from __future__ import annotations
+
+import os
+import site
+import sys
+
+__all__ = ["changed_modules"]
+
+
+def _installed_roots() -> tuple[str, ...]:
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    roots.update(site.getsitepackages())
+    roots.add(site.getusersitepackages())
+    return tuple(sorted(os.path.join(r, "") for r in roots if r))
+
+
+_INSTALLED = _installed_roots()
+# A module file's modification time when this process first saw it loaded:
+# the first build after the import (the build's own request imports it).
+_SEEN: dict[str, int] = {}
+
+
+def changed_modules() -> list[str]:
+    """Names of the loaded, not installed modules whose file changed since
+    this process first saw them (``[]``: the code it runs is the disk's).
+
+    >>> changed_modules()
+    []
+    """
+    changed = []
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if not isinstance(path, str) or path.startswith(_INSTALLED):
+            continue
+        try:
+            mtime = os.stat(path).st_mtime_ns
+        except OSError:  # a module whose file is gone: nothing to compare
+            continue
+        if _SEEN.setdefault(path, mtime) != mtime:
+            changed.append(name)
+    return changed
