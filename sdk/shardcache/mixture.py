@@ -127,7 +127,7 @@ class MixedDataset(Dataset[Any]):
         self._sampler.bind(self._start_epoch)
         self._epoch_started: int | None = None
         self._consumed = 0
-        self._last_batch = 0  # samples in this process's last batch
+        self._epoch_batch = 0  # this epoch's largest read in this process
         self._delivered = np.zeros(len(self.datasets), dtype=np.int64)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -158,6 +158,7 @@ class MixedDataset(Dataset[Any]):
         if not resuming:
             self._consumed = 0
             self._delivered[:] = 0
+        self._epoch_batch = 0
 
     def component_of(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """The component (its position in ``datasets``) of each mixture id:
@@ -181,7 +182,7 @@ class MixedDataset(Dataset[Any]):
             sel = np.flatnonzero(comp == k)
             parts.append((k, sel, self.datasets[k].collated(local[sel], pin_memory)))
         self._consumed += len(ids)
-        self._last_batch = len(ids)
+        self._epoch_batch = max(self._epoch_batch, len(ids))
         self._delivered += np.bincount(comp, minlength=len(self.datasets))
         if len(parts) == 1:
             return parts[0][2]
@@ -279,7 +280,7 @@ class MixedDataset(Dataset[Any]):
         if get_worker_info() is not None:
             return
         handed_out = self._sampler.handed_out()
-        if handed_out - self._consumed >= max(self._last_batch, 1):
+        if handed_out - self._consumed >= max(self._epoch_batch, 1):
             raise ConfigError(
                 f"state_dict(): this process's sampler handed out {handed_out} "
                 f"draws of epoch {self._sampler.epoch} and this process read "

@@ -108,6 +108,9 @@ class RankSession:
         self.consumed = 0  # samples this process handed out this epoch
         self.cursor = 0  # where in the epoch's order the next batch starts
         self.batch_size = 0  # the first batch's, for the prefetch window
+        # The largest read of this epoch in this process: a drop_last tail
+        # handed out and never read is less than it (slot.py's resume check).
+        self.epoch_batch = 0
         self._read_ahead_to = (-1, 0)  # (epoch, position) read ahead up to
         self._prefetched_to: tuple[Any, int] = (None, 0)  # (epoch..., position)
         self.epoch_reported = False
@@ -300,6 +303,7 @@ class RankSession:
         self.counts["samples"] += n
         self.consumed += n
         self.batch_size = self.batch_size or n
+        self.epoch_batch = max(self.epoch_batch, n)
         self.cursor += n
 
     def _look_ahead(self, reader: ChunkReader) -> None:
@@ -408,6 +412,7 @@ class RankSession:
         if not resuming:
             self.consumed = 0
             self.cursor = 0
+        self.epoch_batch = 0
         self.waits.reset()
         if self.reader is not None and self.is_current:
             self.reader.new_epoch()

@@ -174,7 +174,9 @@ class SessionSlot:
             return
         handed_out = self.sampler.handed_out()
         read_here = self.session.consumed
-        if handed_out - read_here >= max(self.session.batch_size, 1):
+        # This epoch's batches, not the process's first read: a sample
+        # peeked with ds[0] before the loop must not make the threshold 1.
+        if handed_out - read_here >= max(self.session.epoch_batch, 1):
             raise ConfigError(
                 f"state_dict(): this process's sampler handed out {handed_out} "
                 f"samples of epoch {self.sampler.epoch} and this process read "

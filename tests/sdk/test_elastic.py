@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import ray
 import ray.cloudpickle
+from torch.utils.data import DataLoader
 
 from shardcache import DistributedCachedDataset
 from shardcache.errors import ConfigError
@@ -221,3 +222,24 @@ def test_stateful_dataloader_with_workers_passes_one_epoch_twice(
     )  # fmt: skip
     for _ in range(2):  # the same epoch again, no set_epoch between
         assert sorted(int(t[0]) for b in loader for t in b) == list(range(16))
+
+
+def test_a_peeked_sample_does_not_make_the_end_of_epoch_state_refused(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
+    # The workers-read check compares what the sampler handed out with what
+    # this process read. A drop_last tail is handed out and never read; it
+    # is less than a batch, and the batch is this epoch's, not the process's
+    # first read: ds[0] (a shape check before the loop) was one sample.
+    url = _data(s3fs_client, bucket, count=18)
+    ds = DistributedCachedDataset(
+        url, storage_options=s3.storage_options(), redis_url=redis_url,
+        namespace=namespace, rank=0, world_size=1, chunk_samples=4,
+    )  # fmt: skip
+    assert ds[0].shape == (32,)
+    ds.set_epoch(0)
+    assert ds[1].shape == (32,)  # a peek inside the epoch counts 1 as well
+    loader = DataLoader(ds, batch_size=4, sampler=ds.sampler, drop_last=True)
+    assert len(list(loader)) == 4  # 16 read, a tail of 2 handed out
+    # ds[i] counts as read (it is how DataLoader(batch_size=None) delivers).
+    assert ds.state_dict()["consumed"] == 17
