@@ -121,6 +121,10 @@ class RankSession:
         self._served_at_start: dict[str, int] = {}
         self._full_epochs = 0  # whole epochs in a row, the last one read as:
         self._read_as: tuple[str, int] | None = None  # (listing digest, generation)
+        # What this epoch's batches read: the first's (digest, generation),
+        # and whether a later batch read another (a refresh or invalidate).
+        self._epoch_read: tuple[str, int] | None = None
+        self._epoch_mixed = False
         self.suggested_block = 0
         generations.renew()
         self.usage = UsageReporter(
@@ -299,7 +303,12 @@ class RankSession:
             if delta[origin]:
                 self.usage.served(origin, delta[origin], delta[f"{origin}_bytes"])
         self.usage.waited(waited, self.sampler.epoch)
-        self.usage.reading(self.generations.digest, self.generations.generation)
+        reading = (self.generations.digest, self.generations.generation)
+        self.usage.reading(*reading)
+        if self._epoch_read is None:
+            self._epoch_read = reading
+        elif reading != self._epoch_read:
+            self._epoch_mixed = True
         self.counts["samples"] += n
         self.consumed += n
         self.batch_size = self.batch_size or n
@@ -428,17 +437,20 @@ class RankSession:
             o: reader.counts[o] - self._served_at_start.get(o, 0) for o in ORIGINS
         }
         self._served_at_start = {o: reader.counts[o] for o in ORIGINS}
-        # Source reads mean evictions only in a whole epoch that followed a
-        # whole epoch of the same listing and generation: otherwise they are
-        # first builds (a cold or cut-short epoch) or a change upstream.
-        was_built = self._full_epochs > 0 and self._read_as == (
-            reader.digest,
-            self.generations.generation,
+        # Source reads mean evictions only in a whole epoch that read, every
+        # batch of it, the listing and generation the whole epoch before it
+        # read: otherwise they are first builds (a cold or cut-short epoch)
+        # or a change upstream (a refresh or invalidate between or during
+        # them; the listing as of now would hide one made before set_epoch).
+        read_as = None if self._epoch_mixed else self._epoch_read
+        self._epoch_read, self._epoch_mixed = None, False
+        was_built = (
+            self._full_epochs > 0 and read_as is not None and read_as == self._read_as
         )
         # Whole: every batch but a last one a drop_last loader leaves out.
         is_whole = self.consumed > sampler.num_samples - max(self.batch_size, 1)
         self._full_epochs = self._full_epochs + 1 if is_whole else 0
-        self._read_as = (reader.digest, self.generations.generation)
+        self._read_as = read_as
         total = sum(served.values())
         if (
             self.suggested_block

@@ -88,7 +88,8 @@ class BuildRequest:
 # One Fetcher and one event loop per worker process, reused by every build:
 # an s3fs session costs tens of milliseconds to open.
 _LOOP: asyncio.AbstractEventLoop | None = None
-_FETCHERS: dict[str, Fetcher] = {}
+_FETCHERS: dict[str, Fetcher] = {}  # by key, least recently used first
+FETCHERS_KEPT = 16
 _LOCK = threading.Lock()
 
 
@@ -117,8 +118,14 @@ def _fetcher(
     )  # fmt: skip
     key = json.dumps([protocol, options, fetch_settings], sort_keys=True, default=str)
     with _LOCK:
-        fetcher = _FETCHERS.get(key)
-        if fetcher is None:
+        fetcher = _FETCHERS.pop(key, None)
+        if fetcher is not None:
+            _FETCHERS[key] = fetcher  # most recently used last
+        else:
+            # The build actors live as long as the node: storage_options
+            # that rotate (temporary credentials) must not grow this forever.
+            while len(_FETCHERS) >= FETCHERS_KEPT:
+                del _FETCHERS[next(iter(_FETCHERS))]
             fetcher = _FETCHERS[key] = Fetcher(
                 protocol,
                 options,

@@ -1,5 +1,6 @@
 """code_files: a long-lived process tells that the user's module it imported
-changed on disk (the build workers replace themselves on it)."""
+changed on disk (the build workers replace themselves on it); and what else a
+long-lived build process keeps stays bounded."""
 
 from __future__ import annotations
 
@@ -25,3 +26,19 @@ def test_an_edited_user_module_is_named_and_installed_ones_are_not(tmp_path):
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("user_decode_mod", None)
+
+
+def test_a_long_lived_build_process_keeps_a_bounded_number_of_fetchers():
+    # A build actor lives as long as the node; storage_options that rotate
+    # (temporary credentials) each make a new key.
+    from shardcache_server import builder
+    from shardcache_server.settings import ServiceSettings
+
+    settings = ServiceSettings()
+    first = builder._fetcher(settings, "file", {"token": "0"})
+    for i in range(1, 3 * builder.FETCHERS_KEPT):
+        builder._fetcher(settings, "file", {"token": str(i)})
+    assert len(builder._FETCHERS) <= builder.FETCHERS_KEPT
+    assert builder._fetcher(settings, "file", {"token": "0"}) is not first
+    again = builder._fetcher(settings, "file", {"token": "x"})
+    assert builder._fetcher(settings, "file", {"token": "x"}) is again  # reused

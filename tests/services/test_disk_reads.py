@@ -248,3 +248,32 @@ def test_without_a_disk_tier_warm_rebuilds_are_told_the_block_and_the_tier(
         assert _epoch(blocked, blocked_loader, epoch) == payload
         assert s3.total_gets <= SAMPLES  # each chunk built at most once
     blocked.close()
+
+
+@pytest.mark.parametrize("change", ["invalidate", "refresh"])
+def test_source_reads_after_an_invalidate_or_refresh_are_not_told_as_evictions(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace, caplog, change
+):
+    # The data fits in memory: the epoch after a change reads from the
+    # source because of the change, and nothing was evicted. The listing
+    # and generation compared were those at the epoch boundary, which
+    # already showed a change made before set_epoch.
+    payload = {i: bytes([i]) * 64 for i in range(SAMPLES)}
+    s3fs_client.pipe({f"{bucket}/d/{i:02d}": v for i, v in payload.items()})
+    ds, loader = _open(s3, bucket, redis_url, namespace, revalidate=0.001)
+    with caplog.at_level("WARNING", logger="shardcache.block_advice"):
+        for epoch in (0, 1):
+            assert _epoch(ds, loader, epoch) == payload
+        if change == "invalidate":
+            ds.invalidate()
+        else:
+            payload = {i: bytes([i + 1]) * 64 for i in range(SAMPLES)}
+            s3fs_client.pipe({f"{bucket}/d/{i:02d}": v for i, v in payload.items()})
+            assert len(ds.refresh()) == SAMPLES
+        before = ds.stats()["served"]["source"]
+        assert _epoch(ds, loader, 2) == payload
+        assert ds.stats()["served"]["source"] - before == SAMPLES  # read again
+        ds.set_epoch(3)
+    assert ds.stats()["suggested_shuffle_block"] == 0
+    assert not [m for m in caplog.messages if "shuffle_block" in m]
+    ds.close()
