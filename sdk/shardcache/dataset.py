@@ -151,9 +151,10 @@ class DistributedCachedDataset(Dataset[Any]):
             Either way a batch is never a mix of generations, and this
             dataset's own ``invalidate()`` applies from the next batch.
 
-    Samples from ``ds[i]`` are torch tensors viewing the Ray object store
-    without a copy; they are read-only. ``ds.loader(batch_size)`` yields
-    collated batches gathered straight into one tensor per field.
+    Samples from ``ds[i]`` are torch tensors the caller owns: copies of the
+    cached rows, so an in-place op never reaches the cache other processes
+    read. ``ds.loader(batch_size)`` yields collated batches gathered
+    straight into one tensor per field.
 
     Raises:
         ConfigError: bad arguments (rank out of range, world_size < 1, bad URL).
