@@ -448,7 +448,7 @@ class RankSession:
             self._full_epochs > 0 and read_as is not None and read_as == self._read_as
         )
         # Whole: every batch but a last one a drop_last loader leaves out.
-        is_whole = self.consumed > sampler.num_samples - max(self.batch_size, 1)
+        is_whole = self.consumed > sampler.num_samples - max(self.epoch_batch, 1)
         self._full_epochs = self._full_epochs + 1 if is_whole else 0
         self._read_as = read_as
         total = sum(served.values())

@@ -379,18 +379,40 @@ class BuildWorker:
         return os.getpid()
 
 
-async def _restarted(worker: Any, old_pid: int, timeout_s: float = 120.0) -> None:
+def _unresolved_user_code(exc: BaseException) -> bool:
+    """Whether a build failed before it ran because its arguments name code
+    the process cannot find (``AttributeError``/``ImportError`` unpickling)."""
+    text = str(exc)
+    return any(
+        f"{kind}:" in text
+        for kind in ("AttributeError", "ModuleNotFoundError", "ImportError")
+    ) and ("deseriali" in text.lower() or "unpickl" in text.lower())
+
+
+async def _pid(worker: Any) -> int | None:
+    import ray
+
+    try:
+        return int(await asyncio.wait_for(worker.pid.remote(), 30.0))
+    except (TimeoutError, ray.exceptions.RayActorError):
+        return None
+
+
+async def _restarted(
+    worker: Any, old_pid: int | None, timeout_s: float = 120.0
+) -> None:
     """Wait until ``worker`` answers from another process than ``old_pid``:
     a call sent right after ``ray.kill`` may still reach the old one."""
     import ray
 
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while (left := deadline - time.monotonic()) > 0:
         try:
-            if await worker.pid.remote() != old_pid:
+            pid = await asyncio.wait_for(worker.pid.remote(), max(left, 0.1))
+            if pid != old_pid:
                 return
-        except ray.exceptions.RayActorError:
-            pass  # between the two processes
+        except (TimeoutError, ray.exceptions.RayActorError):
+            pass  # between the two processes, or still starting
         await asyncio.sleep(0.05)
     raise BackendError(
         f"a build worker did not restart within {timeout_s:.0f} s (its process "
@@ -479,12 +501,22 @@ class RayChunkBuilder:
                 self._settings, req
             )
             report = await report_ref
-        except ray.exceptions.RayTaskError as exc:
+        except (ray.exceptions.RayTaskError, ray.exceptions.RaySystemError) as exc:
             # The project's own error reaches the rank as itself, not as
             # a BackendError carrying a Ray traceback.
-            if isinstance(exc.cause, ShardCacheError):
-                raise exc.cause from None
-            raise
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, ShardCacheError):
+                raise cause from None
+            if not _unresolved_user_code(exc):
+                raise
+            # The build's arguments name a function or module this process
+            # imported before it existed (a function added to decode.py
+            # since): a fresh process imports the file as it is now.
+            log.info("build worker: %s; restarting it to build %s", exc, req.dataset)
+            pid = await _pid(worker)
+            ray.kill(worker, no_restart=False)
+            await _restarted(worker, pid)
+            return None
         if STALE_CODE in report:
             # The user's code changed on disk since this process imported
             # it: a fresh process (Ray restarts it) imports the new code.

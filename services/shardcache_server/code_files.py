@@ -18,20 +18,13 @@ modules, and a checkout on ``PYTHONPATH``), one ``stat`` each per build.
 from __future__ import annotations
 
 import os
-import site
 import sys
+
+from shardcache.code_paths import is_installed
 
 __all__ = ["changed_modules"]
 
 
-def _installed_roots() -> tuple[str, ...]:
-    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-    roots.update(site.getsitepackages())
-    roots.add(site.getusersitepackages())
-    return tuple(sorted(os.path.join(r, "") for r in roots if r))
-
-
-_INSTALLED = _installed_roots()
 # A module file's modification time when this process first saw it loaded:
 # the first build after the import (the build's own request imports it).
 _SEEN: dict[str, int] = {}
@@ -46,8 +39,11 @@ def changed_modules() -> list[str]:
     """
     changed = []
     for name, module in list(sys.modules.items()):
-        path = getattr(module, "__file__", None)
-        if not isinstance(path, str) or path.startswith(_INSTALLED):
+        try:
+            path = getattr(module, "__file__", None)
+        except Exception:  # a lazy module's __getattr__ may raise anything
+            continue
+        if not isinstance(path, str) or is_installed(path):
             continue
         try:
             mtime = os.stat(path).st_mtime_ns

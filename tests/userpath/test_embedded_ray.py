@@ -301,7 +301,7 @@ EDITED_DECODE = """
     import numpy as np
 
 
-    def decode(raw: bytes):
+    def {name}(raw: bytes):
         return np.frombuffer(raw, dtype=np.uint8).astype(np.int64) + {offset}
 """
 
@@ -312,9 +312,10 @@ TRAIN_WITH_MODULE = """
     from torch.utils.data import DataLoader
 
     from shardcache import DistributedCachedDataset
-    from decode import decode
+    import decode
 
     dist.init_process_group("gloo")
+    decode = getattr(decode, sys.argv[3])
     ds = DistributedCachedDataset(sys.argv[1], preprocess=decode, chunk_samples=2)
     seen = sorted({int(v) for b in DataLoader(ds, batch_size=4, sampler=ds.sampler)
                    for v in b[:, 0].tolist()})
@@ -335,9 +336,12 @@ def test_a_preprocess_edited_in_its_module_builds_the_new_code(user):
     script = user.write("train.py", TRAIN_WITH_MODULE)
     module = user.workdir / "decode.py"
     out = user.workdir / "seen"
-    for offset in (0, 100):
-        module.write_text(textwrap.dedent(EDITED_DECODE.format(offset=offset)))
-        done = user.torchrun(script, f"file://{data}/*.bin", f"{out}-{offset}")
+    # The third run names a function the kept workers' module never had.
+    for offset, name in ((0, "decode"), (100, "decode"), (200, "decode_v2")):
+        module.write_text(
+            textwrap.dedent(EDITED_DECODE.format(offset=offset, name=name))
+        )
+        done = user.torchrun(script, f"file://{data}/*.bin", f"{out}-{offset}", name)
         assert done.returncode == 0, done.stderr[-3000:]
         seen = sorted(
             v

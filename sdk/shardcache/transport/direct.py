@@ -10,6 +10,7 @@ from typing import Any
 
 from shardcache import errors
 from shardcache.chunk_file import read_chunk_file
+from shardcache.code_paths import is_installed
 from shardcache.config import ClientConfig
 from shardcache.errors import (
     ChunkFileError,
@@ -47,11 +48,18 @@ def _map_chunk_file(path: str, item: tuple[str, str, int]) -> Any:
     return columns
 
 
-def _pickle_main_by_value(fn: Callable[..., Any]) -> None:
-    """Ship a preprocess defined in the job's script by value.
+def _pickle_user_code_by_value(fn: Callable[..., Any]) -> None:
+    """Ship a preprocess defined in the job's script or the user's own
+    module by value.
 
     A function from ``__main__`` (or ``__mp_main__`` in a spawned rank) is
-    not importable on the stores; cloudpickle must carry its code along.
+    not importable on the stores. One from the user's ``decode.py`` is, but
+    by name: a store or build process kept across scripts resolves the name
+    in the module it imported for an earlier script (the old code, or no
+    such function at all), while this rank fingerprinted the code as it is
+    now. By value, the cache runs exactly that code. A function whose
+    module-level values cannot be pickled (a lock, an open handle) keeps
+    travelling by name, as before.
     """
     import sys
 
@@ -59,8 +67,19 @@ def _pickle_main_by_value(fn: Callable[..., Any]) -> None:
 
     target = getattr(fn, "func", fn)  # functools.partial
     module = sys.modules.get(getattr(target, "__module__", "") or "")
-    if module is not None and module.__name__ in ("__main__", "__mp_main__"):
+    if module is None:
+        return
+    if module.__name__ in ("__main__", "__mp_main__"):
         ray.cloudpickle.register_pickle_by_value(module)
+        return
+    path = getattr(module, "__file__", None)
+    if not isinstance(path, str) or is_installed(path):
+        return
+    ray.cloudpickle.register_pickle_by_value(module)
+    try:
+        ray.cloudpickle.dumps(fn)
+    except Exception:  # noqa: BLE001 (any pickling failure: by name instead)
+        ray.cloudpickle.unregister_pickle_by_value(module)
 
 
 class CacheClient:
@@ -278,10 +297,10 @@ class CacheClient:
         import ray
 
         self.attach()
-        _pickle_main_by_value(preprocess)
+        _pickle_user_code_by_value(preprocess)
         for fn in (target, (spec.get("variants") or {}).get("augment")):
             if fn is not None:
-                _pickle_main_by_value(fn)
+                _pickle_user_code_by_value(fn)
         fns = (preprocess, target)
         self._installed[spec["name"]] = (spec, fns)
         try:
