@@ -25,7 +25,7 @@ import weakref
 
 import numpy as np
 
-from shardcache.chunk_file import ALIGN_BYTES
+from shardcache.chunk_file import ALIGN_BYTES, aligned_start
 
 __all__ = ["BATCH_BUFFERS", "ReusedBuffers"]
 
@@ -70,7 +70,7 @@ class ReusedBuffers:
                     return raw[start : start + size]
             raw = np.empty(need, dtype=np.uint8)
             # The offset to the boundary, once: ``ctypes.data`` costs ~2 us.
-            start = -raw.ctypes.data % ALIGN_BYTES
+            start = aligned_start(raw)
             self._raw.append((raw, start))
             if len(self._raw) > self.kept:
                 del self._raw[0]  # dropped from the pool; its views keep it alive

@@ -33,6 +33,7 @@ __all__ = [
     "ALIGN_BYTES",
     "MAGIC",
     "aligned_empty",
+    "aligned_start",
     "read_chunk_buffer",
     "read_chunk_file",
     "will_need",
@@ -55,8 +56,13 @@ def aligned_empty(size: int, raw: np.ndarray | None = None) -> np.ndarray:
     a new array."""
     if raw is None:
         raw = np.empty(size + ALIGN_BYTES, dtype=np.uint8)
-    start = -raw.ctypes.data % ALIGN_BYTES
+    start = aligned_start(raw)
     return raw[start : start + size]
+
+
+def aligned_start(raw: np.ndarray) -> int:
+    """The offset of the first ``ALIGN_BYTES`` boundary in ``raw``'s bytes."""
+    return -raw.ctypes.data % ALIGN_BYTES
 
 
 def _header(columns: dict[str, np.ndarray], meta: dict[str, Any]) -> bytes:

@@ -398,6 +398,19 @@ async def _pid(worker: Any) -> int | None:
         return None
 
 
+async def _restart(worker: Any, old_pid: int | None, why: str, dataset: str) -> None:
+    """Replace ``worker``'s process (Ray restarts it: ``max_restarts=-1``)
+    and wait for the new one, so the next build imports the user's code as
+    it is on disk now."""
+    import ray
+
+    log.info(
+        "build worker (pid %s): %s; restarting it to build %s", old_pid, why, dataset
+    )
+    ray.kill(worker, no_restart=False)
+    await _restarted(worker, old_pid)
+
+
 async def _restarted(
     worker: Any, old_pid: int | None, timeout_s: float = 120.0
 ) -> None:
@@ -512,20 +525,12 @@ class RayChunkBuilder:
             # The build's arguments name a function or module this process
             # imported before it existed (a function added to decode.py
             # since): a fresh process imports the file as it is now.
-            log.info("build worker: %s; restarting it to build %s", exc, req.dataset)
-            pid = await _pid(worker)
-            ray.kill(worker, no_restart=False)
-            await _restarted(worker, pid)
+            await _restart(worker, await _pid(worker), str(exc), req.dataset)
             return None
         if STALE_CODE in report:
             # The user's code changed on disk since this process imported
             # it: a fresh process (Ray restarts it) imports the new code.
-            log.info(
-                "build worker (pid %s): %s changed on disk; restarting it to "
-                "build %s with the new code",
-                report["pid"], ", ".join(report[STALE_CODE]), req.dataset,
-            )  # fmt: skip
-            ray.kill(worker, no_restart=False)
-            await _restarted(worker, report["pid"])
+            changed = ", ".join(report[STALE_CODE]) + " changed on disk"
+            await _restart(worker, report["pid"], changed, req.dataset)
             return None
         return columns_ref, report

@@ -1,13 +1,12 @@
 """Whether the user's code a long-lived process imported has changed on disk since.
 
-A preprocess from the user's own module (``from decode import decode``)
-travels to a build process by name, and that process imports the module
-once: a build worker kept across scripts would go on running the code it
-imported for the first script after the user edited the file. The rank's
-fingerprint sees the edit and starts a new generation, so those chunks
-would be the old code's output cached under the new version. The build
-worker asks :func:`changed_modules` before each build and is replaced by a
-fresh process when the answer is not empty.
+A preprocess from the user's own module travels to the cache as code
+(``shardcache.transport.direct``), but what that code imports travels by
+name, and a build process imports it once: a build worker kept across
+scripts would go on running the helper module it imported for the first
+script after the user edited the file. The build worker asks
+:func:`changed_modules` before each build and is replaced by a fresh
+process when the answer is not empty.
 
 Installed code (Python's own library, site-packages) is not watched: it
 changes with an install, which restarts the cluster anyway. What is
