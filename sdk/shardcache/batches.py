@@ -13,11 +13,11 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 import numpy as np
-from torch.utils.data import Sampler
+from torch.utils.data import Sampler, get_worker_info
 
 from shardcache.errors import ConfigError
 
-__all__ = ["RankOrder", "ShardBatchSampler", "batch_bounds"]
+__all__ = ["RankOrder", "ShardBatchSampler", "batch_bounds", "read_elsewhere"]
 
 
 class RankOrder(Protocol):
@@ -120,3 +120,24 @@ class ShardBatchSampler(Sampler[list[int]]):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.sampler.load_state_dict(state)
+
+
+def read_elsewhere(sampler: Any, read_here: int, epoch_batch: int) -> int | None:
+    """What ``sampler`` handed out this epoch, where DataLoader workers read
+    it (``state_dict()`` must then be told the count); ``None`` when the
+    reads are this process's own.
+
+    With workers the sampler runs here and the reads in the workers, which
+    fetch ``prefetch_factor * num_workers`` batches ahead of the loop: the
+    count read here (none) would resume the epoch from its start, replaying
+    every batch taken. A ``drop_last`` tail the batch sampler drew and never
+    read is less than this epoch's largest read (not the process's first:
+    a sample peeked with ``ds[0]`` must not make the threshold 1).
+    """
+    if get_worker_info() is not None:
+        # A worker's copy of the sampler is the main process's, pickled
+        # (StatefulDataLoader asks a worker for the dataset's state; its
+        # own snapshot is what resumes).
+        return None
+    handed_out = int(sampler.handed_out())
+    return handed_out if handed_out - read_here >= max(epoch_batch, 1) else None

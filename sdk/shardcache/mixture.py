@@ -28,8 +28,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset
 
+from shardcache.batches import read_elsewhere
 from shardcache.errors import CollateError, ConfigError
 from shardcache.loader import BatchLoader
 from shardcache.mix_order import ON_EXHAUSTED
@@ -273,14 +274,8 @@ class MixedDataset(Dataset[Any]):
         }
 
     def _check_reads_are_here(self) -> None:
-        # As DistributedCachedDataset's: with workers the sampler runs here
-        # and the reads there, ahead of the loop, so the count here (none)
-        # would resume the epoch from its start. A worker's sampler is a
-        # pickled copy (StatefulDataLoader asks workers for their state).
-        if get_worker_info() is not None:
-            return
-        handed_out = self._sampler.handed_out()
-        if handed_out - self._consumed >= max(self._epoch_batch, 1):
+        handed_out = read_elsewhere(self._sampler, self._consumed, self._epoch_batch)
+        if handed_out is not None:
             raise ConfigError(
                 f"state_dict(): this process's sampler handed out {handed_out} "
                 f"draws of epoch {self._sampler.epoch} and this process read "

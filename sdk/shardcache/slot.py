@@ -22,6 +22,7 @@ from typing import Any
 
 from torch.utils.data import get_worker_info
 
+from shardcache.batches import read_elsewhere
 from shardcache.errors import ConfigError
 from shardcache.generations import Generations, layout_digest
 from shardcache.job import JobId, agree_in_process_group, warn_unshared
@@ -162,21 +163,9 @@ class SessionSlot:
         }
 
     def _check_reads_are_here(self) -> None:
-        # With workers, the sampler runs here and the reads in the workers,
-        # which fetch prefetch_factor * num_workers batches ahead of the
-        # loop: the count read here (none) would resume the epoch from its
-        # start, replaying every batch taken. A drop_last tail the batch
-        # sampler drew but never read is less than a batch.
-        if get_worker_info() is not None:
-            # A worker's copy of the sampler is the main process's, pickled
-            # (StatefulDataLoader asks a worker for the dataset's state; its
-            # own snapshot is what resumes).
-            return
-        handed_out = self.sampler.handed_out()
         read_here = self.session.consumed
-        # This epoch's batches, not the process's first read: a sample
-        # peeked with ds[0] before the loop must not make the threshold 1.
-        if handed_out - read_here >= max(self.session.epoch_batch, 1):
+        handed_out = read_elsewhere(self.sampler, read_here, self.session.epoch_batch)
+        if handed_out is not None:
             raise ConfigError(
                 f"state_dict(): this process's sampler handed out {handed_out} "
                 f"samples of epoch {self.sampler.epoch} and this process read "
