@@ -481,7 +481,9 @@ class DistributedCachedDataset(Dataset[Any]):
             ConfigError: no ``consumed``, and DataLoader workers read this
                 epoch's samples (this process's sampler handed out a batch or
                 more that this process did not read): the workers read ahead
-                of the loop, so the count here would replay what it took.
+                of the loop, so the count here would replay what it took; or a
+                ``consumed`` that is not an integer from 0 to ``len(ds.sampler)``
+                (checked now, not when the checkpoint is loaded).
         """
         return self._slot.state(consumed)
 
@@ -495,11 +497,13 @@ class DistributedCachedDataset(Dataset[Any]):
 
     def gather_state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """The merged state of every rank, on every rank (one ``all_gather_object``
-        under torch.distributed): save it from rank 0.
+        under torch.distributed): save it from rank 0. A collective: call it
+        on every rank. If any rank cannot give its state, every rank raises
+        (naming that rank) instead of the others waiting for it.
 
         >>> # state = ds.gather_state_dict(); if rank == 0: torch.save(state, path)
         """
-        return gather_states(self.state_dict(consumed))
+        return gather_states(lambda: self.state_dict(consumed))
 
     def load_state_dict(
         self,

@@ -35,6 +35,8 @@ from shardcache.errors import CollateError, ConfigError
 from shardcache.loader import BatchLoader
 from shardcache.mix_order import ON_EXHAUSTED
 from shardcache.mix_sampler import MixtureSampler, Weights, merge_mix_states
+from shardcache.resume import gather_outcomes
+from shardcache.resume.state import check_consumed
 
 __all__ = ["ON_EXHAUSTED", "MixedDataset"]
 
@@ -263,10 +265,15 @@ class MixedDataset(Dataset[Any]):
 
         Raises:
             ConfigError: no ``consumed`` where DataLoader workers read this
-                epoch's draws (the count here would replay what they read).
+                epoch's draws (the count here would replay what they read), or
+                a ``consumed`` that is not an integer from 0 to ``len(mix.sampler)``.
         """
         if consumed is None:
             self._check_reads_are_here()
+        else:
+            check_consumed(
+                consumed, len(self._sampler), self._sampler.rank, resumed=False
+            )
         return {
             **self._sampler.state(),
             "consumed": self._consumed if consumed is None else int(consumed),
@@ -295,14 +302,7 @@ class MixedDataset(Dataset[Any]):
     def gather_state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Every rank's state, merged, on every rank (one ``all_gather_object``):
         save it from rank 0, load it at any world size."""
-        import torch.distributed as dist
-
-        state = self.state_dict(consumed)
-        if not (dist.is_available() and dist.is_initialized()):
-            return merge_mix_states([state])
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, state)
-        return merge_mix_states(out)
+        return merge_mix_states(gather_outcomes(lambda: self.state_dict(consumed)))
 
     def load_state_dict(self, state: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
         """Resume: the next iteration yields exactly the draws not yet delivered.

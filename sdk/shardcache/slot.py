@@ -29,6 +29,7 @@ from shardcache.job import JobId, agree_in_process_group, warn_unshared
 from shardcache.manifest import Manifest
 from shardcache.resume import apply_state, current_node
 from shardcache.resume.apply import check_on_change, crossed_listing
+from shardcache.resume.state import check_consumed
 from shardcache.sampler import ShardSampler
 from shardcache.session import RankSession
 from shardcache.spec import DatasetSpec
@@ -150,10 +151,18 @@ class SessionSlot:
                 batch or more): DataLoader workers read it, and only the
                 loop knows how many of their batches it took.
         """
+        position = self.sampler.state()
         if consumed is None:
             self._check_reads_are_here()
+        else:
+            check_consumed(
+                consumed,
+                len(self.sampler),
+                self.sampler.rank,
+                resumed=position["resumed_from"] is not None,
+            )
         return {
-            **self.sampler.state(),
+            **position,
             "dataset": self.spec.name,
             "consumed": self.session.consumed if consumed is None else int(consumed),
             "manifest": self.generations.digest,

@@ -6,19 +6,21 @@ its rank, how many samples it consumed and the node it ran on.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from numbers import Integral
 from typing import Any
 
-from shardcache.errors import ConfigError
+from shardcache.errors import ConfigError, ShardCacheError, error_type
 
 __all__ = [
     "STATE_VERSION",
     "WORLD_KEYS",
     "by_rank",
+    "check_consumed",
     "check_state",
     "current_node",
     "gather_nodes",
+    "gather_outcomes",
     "gather_states",
     "merge_states",
     "world_state",
@@ -214,15 +216,19 @@ def _dist() -> Any:
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
-def gather_states(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Every rank's state, merged, on every rank (one ``all_gather_object`` of
-    small dicts); without a process group, ``state`` must be the only rank's.
+def gather_states(produce: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
+    """Every rank's ``produce()`` (its state), merged, on every rank (one
+    ``all_gather_object`` of small dicts); without a process group, the state
+    must be the only rank's.
 
     Raises:
         ConfigError: no process group and ``world_size`` > 1.
+        ShardCacheError: ``produce`` raised on any rank: raised on every
+            rank (see :func:`gather_outcomes`).
     """
     dist = _dist()
     if dist is None:
+        state = produce()
         if int(state["world_size"]) != 1:
             raise ConfigError(
                 "gather_states needs torch.distributed initialised when "
@@ -230,9 +236,63 @@ def gather_states(state: Mapping[str, Any]) -> dict[str, Any]:
                 "and pass the list to merge_states."
             )
         return merge_states([state])
+    return merge_states(gather_outcomes(lambda: dict(produce())))
+
+
+def gather_outcomes(produce: Callable[[], Any]) -> list[Any]:
+    """``produce()`` on this rank, and every rank's result on every rank.
+
+    A rank whose ``produce`` raises still joins the collective, with its
+    error: every rank then raises (the failing one its own exception, the
+    others the same class naming that rank), where before the others waited
+    in ``all_gather_object`` for a rank that never came, until the process
+    group's timeout (30 minutes by default). Without a process group it is
+    ``[produce()]``.
+    """
+    dist = _dist()
+    if dist is None:
+        return [produce()]
+    failed: BaseException | None = None
+    try:
+        mine: tuple[str, Any] = ("ok", produce())
+    except Exception as exc:  # every kind: a rank must never leave the others waiting
+        failed = exc
+        mine = ("error", (type(exc).__name__, str(exc)))
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, dict(state))
-    return merge_states(out)
+    dist.all_gather_object(out, mine)
+    if failed is not None:
+        raise failed
+    for rank, (kind, value) in enumerate(out):
+        if kind == "error":
+            name, message = value
+            raise error_type(name, ShardCacheError)(
+                f"rank {rank} could not give its state, so no rank's is saved: "
+                f"{name}: {message}"
+            )
+    return [value for _, value in out]
+
+
+def check_consumed(consumed: Any, length: int, rank: int, resumed: bool) -> None:
+    """``state_dict(consumed=N)``'s count, checked when it is saved rather
+    than when the checkpoint is loaded (maybe days later): an integer >= 0,
+    and at most the rank's share of the epoch (``length``; inside an epoch
+    that was itself resumed elastically the resume's plan checks it).
+
+    Raises:
+        ConfigError: naming the count and what it may be.
+
+    >>> check_consumed(-1, 10, 0, False)
+    Traceback (most recent call last):
+    ...
+    shardcache.errors.ConfigError: state_dict(consumed=-1): the count of samples this rank took this epoch is an integer from 0 to rank 0's share of the epoch, 10 (len(ds.sampler)), counted from the epoch's start.
+    """
+    if _count(consumed) and (resumed or int(consumed) <= length):
+        return
+    raise ConfigError(
+        f"state_dict(consumed={consumed!r}): the count of samples this rank took "
+        f"this epoch is an integer from 0 to rank {rank}'s share of the epoch, "
+        f"{length} (len(ds.sampler)), counted from the epoch's start."
+    )
 
 
 def gather_nodes(node: str, world_size: int) -> list[str] | None:
