@@ -266,13 +266,15 @@ class MixedDataset(Dataset[Any]):
         Raises:
             ConfigError: no ``consumed`` where DataLoader workers read this
                 epoch's draws (the count here would replay what they read), or
-                a ``consumed`` that is not an integer from 0 to ``len(mix.sampler)``.
+                a ``consumed`` that is not an integer >= 0.
         """
         if consumed is None:
             self._check_reads_are_here()
         else:
+            # Only its type and sign: after a resume at another world size
+            # the sampler's order starts where the saved progress ended.
             check_consumed(
-                consumed, len(self._sampler), self._sampler.rank, resumed=False
+                consumed, len(self._sampler), self._sampler.rank, resumed=True
             )
         return {
             **self._sampler.state(),

@@ -275,8 +275,9 @@ def gather_outcomes(produce: Callable[[], Any]) -> list[Any]:
 def check_consumed(consumed: Any, length: int, rank: int, resumed: bool) -> None:
     """``state_dict(consumed=N)``'s count, checked when it is saved rather
     than when the checkpoint is loaded (maybe days later): an integer >= 0,
-    and at most the rank's share of the epoch (``length``; inside an epoch
-    that was itself resumed elastically the resume's plan checks it).
+    and at most the rank's share of the epoch (``length``), unless
+    ``resumed`` (an epoch resumed at another world size, whose plan checks
+    it when loaded).
 
     Raises:
         ConfigError: naming the count and what it may be.
