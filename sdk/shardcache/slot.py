@@ -29,7 +29,7 @@ from shardcache.job import JobId, agree_in_process_group, warn_unshared
 from shardcache.manifest import Manifest
 from shardcache.resume import apply_state, current_node
 from shardcache.resume.apply import check_on_change, crossed_listing
-from shardcache.resume.state import check_consumed
+from shardcache.resume.state import check_consumed, saved_batch
 from shardcache.sampler import ShardSampler
 from shardcache.session import RankSession
 from shardcache.spec import DatasetSpec
@@ -165,15 +165,20 @@ class SessionSlot:
             **position,
             "dataset": self.spec.name,
             "consumed": self.session.consumed if consumed is None else int(consumed),
+            "batch": self._batch(),
             "manifest": self.generations.digest,
             "generation": self.generations.generation,
             "layout": layout_digest(self.sampler.sizes),
             "node": current_node(),
         }
 
+    def _batch(self) -> int:
+        """This epoch's largest read, in this process or the run it resumed."""
+        return max(self.session.epoch_batch, self.session.resumed_batch)
+
     def _check_reads_are_here(self) -> None:
         read_here = self.session.consumed
-        handed_out = read_elsewhere(self.sampler, read_here, self.session.epoch_batch)
+        handed_out = read_elsewhere(self.sampler, read_here, self._batch())
         if handed_out is not None:
             raise ConfigError(
                 f"state_dict(): this process's sampler handed out {handed_out} "
@@ -217,6 +222,7 @@ class SessionSlot:
             dataset=self.spec.name,
         )
         session.consumed = session.cursor = consumed
+        session.resumed_batch = saved_batch(state)
         return crossed_listing(state, digest, explain, self.spec.name)
 
     def warm(self, steps: int, batch_size: int, *, progress: bool) -> dict[str, int]:

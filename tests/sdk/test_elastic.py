@@ -243,3 +243,31 @@ def test_a_peeked_sample_does_not_make_the_end_of_epoch_state_refused(
     assert len(list(loader)) == 4  # 16 read, a tail of 2 handed out
     # ds[i] counts as read (it is how DataLoader(batch_size=None) delivers).
     assert ds.state_dict()["consumed"] == 17
+
+
+def test_the_state_of_a_resumed_drop_last_epoch_end_is_not_refused(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
+    # Saved after the last full batch of a drop_last epoch, resumed: the rest
+    # of the epoch is the tail alone, drawn and dropped, and this process read
+    # nothing this epoch, so "a batch or more" has no batch to go by.
+    url = _data(s3fs_client, bucket, count=18)
+
+    def dataset() -> DistributedCachedDataset:
+        return DistributedCachedDataset(
+            url, storage_options=s3.storage_options(), redis_url=redis_url,
+            namespace=namespace, rank=0, world_size=1, chunk_samples=4,
+        )  # fmt: skip
+
+    ds = dataset()
+    ds.set_epoch(0)
+    loader = DataLoader(ds, batch_size=4, sampler=ds.sampler, drop_last=True)
+    assert len(list(loader)) == 4
+    state = ds.state_dict()
+    assert state["consumed"] == 16
+    again = dataset()
+    again.load_state_dict(state)
+    again.set_epoch(again.sampler.epoch)  # the README's loop: range(ds.sampler.epoch, N)
+    loader = DataLoader(again, batch_size=4, sampler=again.sampler, drop_last=True)
+    assert list(loader) == []  # the tail of 2, dropped
+    assert again.state_dict()["consumed"] == 16

@@ -1,7 +1,8 @@
 """What a rank saves of its place in an epoch, and the job's state merged from every rank's.
 
 A rank's state is O(1): the epoch, the seed and sharding mode, the world size,
-its rank, how many samples it consumed and the node it ran on.
+its rank, how many samples it consumed, the epoch's largest batch read and the
+node it ran on.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = [
     "gather_outcomes",
     "gather_states",
     "merge_states",
+    "saved_batch",
     "world_state",
 ]
 
@@ -207,7 +209,22 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "generation": max(generations) if generations else None,
         "consumed": consumed,
         "nodes": nodes,
+        "batch": saved_batch(states),
     }
+
+
+def saved_batch(state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> int:
+    """The saved epoch's largest batch read (``"batch"``; the largest of
+    every rank's), 0 where a state has none (saved before it was kept, or
+    its reads were DataLoader workers').
+
+    >>> saved_batch([{"batch": 4}, {"batch": 8}, {}]), saved_batch({"batch": "x"})
+    (8, 0)
+    """
+    states = [state] if isinstance(state, Mapping) else list(state)
+    return max(
+        (int(b) for s in states if _count(b := s.get("batch")) and b), default=0
+    )
 
 
 def _dist() -> Any:
