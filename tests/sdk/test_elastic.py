@@ -267,7 +267,8 @@ def test_the_state_of_a_resumed_drop_last_epoch_end_is_not_refused(
     assert state["consumed"] == 16
     again = dataset()
     again.load_state_dict(state)
-    again.set_epoch(again.sampler.epoch)  # the README's loop: range(ds.sampler.epoch, N)
+    # The README's loop: for epoch in range(ds.sampler.epoch, N)
+    again.set_epoch(again.sampler.epoch)
     loader = DataLoader(again, batch_size=4, sampler=again.sampler, drop_last=True)
     assert list(loader) == []  # the tail of 2, dropped
     assert again.state_dict()["consumed"] == 16

@@ -222,9 +222,7 @@ def saved_batch(state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> int:
     (8, 0)
     """
     states = [state] if isinstance(state, Mapping) else list(state)
-    return max(
-        (int(b) for s in states if _count(b := s.get("batch")) and b), default=0
-    )
+    return max((int(b) for s in states if _count(b := s.get("batch")) and b), default=0)
 
 
 def _dist() -> Any:
