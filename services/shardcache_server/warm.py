@@ -219,12 +219,26 @@ def warm_dataset(
         first_error = _first_fetch_error(
             index, name, since, FETCH_ERROR_WAIT_S if counts["not_kept"] else 0.0
         )
+    failed_rows = 0
+    if first_error is None:
+        # Chunks an earlier job cached with rows that do not read or decode
+        # answer as cached; their index entries name those rows.
+        failed_rows, first_error = _cached_failures(
+            index, name, generation, [items[c][0] for c in sorted(assigned)]
+        )
     if first_error is not None:
         kind, message = first_error
+        not_cached = counts["errors"] + counts["not_kept"]
+        what = (
+            f"{failed_rows} of {total} samples are cached as failed rows: they "
+            "did not read or decode when the chunk was built, and reading one "
+            "raises this error (or is skipped with on_error='skip')"
+            if failed_rows and not not_cached
+            else f"{not_cached} of {total} samples in chunks not cached"
+        )
         raise error_type(kind)(
-            f"warming {name!r} did not cache every sample "
-            f"({counts['errors'] + counts['not_kept']} of {total} samples in "
-            f"chunks not cached). The first failure: {message}"
+            f"warming {name!r} did not cache every sample ({what}). "
+            f"The first failure: {message}"
         )
     return {
         "dataset": name,
@@ -271,6 +285,19 @@ def _first_fetch_error(
         if time.monotonic() > deadline:
             return None
         time.sleep(0.2)
+
+
+def _cached_failures(
+    index: RedisIndex, name: str, generation: int, chunks: list[str]
+) -> tuple[int, tuple[str, str] | None]:
+    """Rows of ``chunks`` cached as failed (their entries' ``failed``), and
+    the first one's ``(error class, message)``."""
+    entries = index.entries(name, generation, chunks)
+    failed = [e for c in chunks if (e := entries.get(c)) and e.get("failed")]
+    if not failed:
+        return 0, None
+    kind, message = failed[0].get("error") or ("ShardCacheError", "a row failed")
+    return sum(int(e["failed"]) for e in failed), (str(kind), str(message))
 
 
 def _rank_nodes(

@@ -75,12 +75,20 @@ def test_cli_warm_that_read_nothing_says_so_and_fails(
     finally:
         s3.set_faults(FaultPlan())
     assert res.exit_code == 2, res.output
-    assert "RemoteFetchError" in res.output and "did not cache every sample" in res.output
+    assert (
+        "RemoteFetchError" in res.output and "did not cache every sample" in res.output
+    )
     assert "fetched" not in res.output
     # Objects that read but do not decode: cached as failed rows, named.
     res = runner.invoke(app, [*warm, "--preprocess", "decode_image", "--force"])
     assert res.exit_code == 2, res.output
     assert "PreprocessError" in res.output and f"{bucket}/f/" in res.output
+    # Run again, the chunks are cached (with those rows failed): still exit 2.
+    again = runner.invoke(app, [*warm, "--preprocess", "decode_image"])
+    assert again.exit_code == 2, again.output
+    said = " ".join(again.output.split())  # rich wraps the line
+    assert "6 of 6 samples are cached as failed rows" in said, again.output
+    assert "PreprocessError" in again.output and f"{bucket}/f/" in again.output
     # The source readable again: the same warm caches all of it.
     res = runner.invoke(app, [*warm, "--force"])
     assert res.exit_code == 0 and "6 objects, 6 fetched" in res.output, res.output

@@ -28,7 +28,7 @@ from shardcache_server.store.manifests import Manifests
 from shardcache_server.store.records import IndexRecords
 from shardcache_server.store.spill import Spill
 from shardcache_server.store.stats import StatsBuffer
-from shardcache_server.store.table import Cached, HeldTable
+from shardcache_server.store.table import Cached, HeldTable, failed_rows
 
 __all__ = ["MissResolver"]
 
@@ -209,6 +209,7 @@ class MissResolver:
                 generation,
                 report["nbytes"],
                 ds.manifest.row_hashes(lo, hi).copy(),
+                failed_rows(report["errors"]),
             ),
             ds.manifest.chunk_source_bytes(index),
         )
@@ -460,6 +461,9 @@ class MissResolver:
             "cached_at": time.time(),
             "nbytes": value.nbytes,
         }
+        if value.failed is not None:
+            rows, kind, message = value.failed
+            entry.update(failed=rows, error=[kind, message])
         released: dict[str, list[str]] = defaultdict(list)
         for ds, k in evicted:
             # A chunk whose file is on this node's disk is still served from

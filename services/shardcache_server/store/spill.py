@@ -12,19 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from shardcache.checksum import is_intact
+from shardcache.chunks import ERRORS
 from shardcache.errors import ChunkFileError
 from shardcache.keys import parse_chunk_key
 from shardcache_server.store.datasets import Dataset, Item
 from shardcache_server.store.disk_tier import DiskTier
 from shardcache_server.store.records import IndexRecords
 from shardcache_server.store.stats import StatsBuffer
-from shardcache_server.store.table import Cached, HeldTable
+from shardcache_server.store.table import Cached, HeldTable, failed_rows
 
 __all__ = ["DISK_WRITES", "Spill"]
 
@@ -170,6 +172,7 @@ class Spill:
             generation,
             int(sum(v.nbytes for v in columns.values())),
             ds.manifest.hashes[lo:hi].copy(),
+            failed_rows(json.loads(bytes(columns.get(ERRORS, b"")).decode() or "{}")),
         )
 
     def soon(self, dataset: str, generation: int, chunk: str, value: Cached) -> None:

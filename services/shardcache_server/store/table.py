@@ -16,7 +16,7 @@ policy evicts any base chunk.
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ from shardcache.keys import is_variant_key
 from shardcache_server.eviction import EvictionPolicy
 from shardcache_server.store.retired import RetiredGenerations
 
-__all__ = ["Cached", "HeldTable"]
+__all__ = ["Cached", "HeldTable", "failed_rows"]
 
 Key = tuple[str, str]  # (dataset, chunk key)
 
@@ -38,6 +38,10 @@ class Cached:
     generation: int
     nbytes: int
     hashes: np.ndarray  # member (url, etag) hashes: which rows a rebuild may reuse
+    # (rows, error class, message of the first) of rows cached as failed
+    # (SETTLED_FAILURES): recorded with the entry, so a later `warm` that
+    # finds the chunk cached still names them.
+    failed: tuple[int, str, str] | None = None
 
 
 class HeldTable:
@@ -174,3 +178,19 @@ class HeldTable:
         for (ds, _), c in self._entries.items():
             per_ds[ds] += c.nbytes
         return dict(per_ds)
+
+
+def failed_rows(errors: Mapping[Any, Sequence[str]]) -> tuple[int, str, str] | None:
+    """``(rows, error class, message)`` of a chunk's failed rows (the first
+    row's error), ``None`` when none failed: a chunk's ``{row: [class,
+    message]}`` from its build report or its ``__errors__`` column.
+
+    >>> failed_rows({"3": ["PreprocessError", "x.jpg: not an image"], "1": ["A", "b"]})
+    (2, 'A', 'b')
+    >>> failed_rows({}) is None
+    True
+    """
+    if not errors:
+        return None
+    kind, message = errors[min(errors, key=int)]
+    return len(errors), str(kind), str(message)
