@@ -460,10 +460,8 @@ class MissResolver:
             "generation": generation,
             "cached_at": time.time(),
             "nbytes": value.nbytes,
+            **value.failure_fields(),
         }
-        if value.failed is not None:
-            rows, kind, message = value.failed
-            entry.update(failed=rows, error=[kind, message])
         released: dict[str, list[str]] = defaultdict(list)
         for ds, k in evicted:
             # A chunk whose file is on this node's disk is still served from

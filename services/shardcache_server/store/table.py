@@ -43,6 +43,13 @@ class Cached:
     # finds the chunk cached still names them.
     failed: tuple[int, str, str] | None = None
 
+    def failure_fields(self) -> dict[str, Any]:
+        """What the chunk's index entry says of its failed rows ({} if none)."""
+        if self.failed is None:
+            return {}
+        rows, kind, message = self.failed
+        return {"failed": rows, "error": [kind, message]}
+
 
 class HeldTable:
     """The chunks held in memory, the policy that budgets them, and generations.

@@ -142,6 +142,7 @@ class Upkeep:
                 "samples": len(c.hashes),
                 "owner": self._records.node_id,
                 "generation": c.generation,
+                **c.failure_fields(),
             }
         waiting = False
         for (ds, gen), entries in by_ds.items():
