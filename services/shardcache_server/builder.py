@@ -246,7 +246,13 @@ def build_members(
     bytes_read = 0
     bases = [Chunk(b) for b in req.bases] if reuse else []
     for row, b, base_row in copies.tolist():
-        samples[row] = _copy(bases[b].sample(base_row))
+        failed = bases[b].error(base_row)
+        if failed is not None:
+            # It failed for good on this version (only such chunks are
+            # cached): it stays failed, never its placeholder as a sample.
+            errors[row] = failed
+        else:
+            samples[row] = _copy(bases[b].sample(base_row))
     # The default .npy decode copies its array out of the bytes; build_chunk
     # copies every sample into its column anyway, so a view is decoded here.
     preprocess = npy_view if req.preprocess is decode_npy else req.preprocess

@@ -40,6 +40,8 @@ def build_chunk(
     missing a member, e.g. a tar shard without one sample's ``.cls``) is a
     failed member, with a ``PreprocessError`` naming both field sets: the
     rank raises it, or skips that sample alone with ``on_error="skip"``.
+    Such rows are added to ``errors`` itself, so the build's report (the
+    fetch_error event, the index entry's failed rows) names them too.
 
     Raises:
         PreprocessError: the samples disagree on their dtypes or number of
@@ -50,13 +52,17 @@ def build_chunk(
     (2, 2)
     >>> sorted(build_chunk([np.zeros(2), np.ones(3)]))
     ['_/data', '_/offsets', '_/shapes', '__errors__', '__failed__']
+    >>> errors = {}
+    >>> _ = build_chunk([{"x": np.zeros(1)}, {"x": np.ones(1)}, {"y": np.ones(1)}], errors)
+    >>> sorted(errors), errors[2][0]
+    ([2], 'PreprocessError')
     """
     n = len(samples)
     names = names or [f"#{i}" for i in range(n)]
     ok = [i for i, s in enumerate(samples) if s is not None]
     cols: dict[str, np.ndarray] = {}
     failed = np.array([s is None for s in samples], dtype=bool)
-    errors = dict(errors or {})
+    errors = {} if errors is None else errors
     if ok:
         ok = _same_fields(samples, ok, names, failed, errors)
     if ok:

@@ -77,6 +77,44 @@ def test_chunk_changed_member_is_the_only_object_read_again(
     assert entries[items[0][0]]["etag"] == new_items[0][1]
 
 
+def _no_twos(data: bytes) -> np.ndarray:
+    """A preprocess that fails, every time, for the object of 2s."""
+    if data[:1] == b"\x02":
+        raise ValueError("not a sample")
+    return np.frombuffer(data, np.uint8)
+
+
+def test_a_failed_row_stays_failed_when_its_chunk_is_rebuilt_around_it(
+    s3, s3fs_client, bucket, redis_url
+):
+    # A row that failed for good is cached as failed; when another member
+    # changes, the rebuild copies the rows that did not change, and the
+    # failed row's placeholder (zeros) must not be copied as a sample.
+    cfg, index, spec, items = _setup(s3, s3fs_client, bucket, redis_url, _no_twos)
+
+    async def scenario():
+        shard = local_shard(cfg)
+        await shard.install(spec, _no_twos)
+        first = (await shard.get("ds", 1, items))[0]
+        s3fs_client.pipe({f"{bucket}/d/004.bin": b"\xff" * 150})
+        ref, digest = await shard.manifest(spec, "job/1")  # refresh: re-list
+        new_items = _items(Manifest.from_object(ref))
+        second = (await shard.get("ds", 1, new_items, digest=digest))[0]
+        await asyncio.sleep(0.2)
+        await shard.close()
+        return first, second, new_items
+
+    first, second, new_items = asyncio.run(scenario())
+    assert first[0] == "fetched" and Chunk(first[1]).error(2)[0] == "PreprocessError"
+    assert s3.total_gets == COUNT + 1  # the rebuild read only the changed member
+    rebuilt = Chunk(second[1])
+    assert rebuilt.error(2) is not None, "the failed row came back as a sample"
+    assert rebuilt.error(2)[0] == "PreprocessError"
+    assert bytes(rebuilt.sample(4)) == b"\xff" * 150
+    entry = index.entries("ds", 1)[new_items[0][0]]
+    assert entry["failed"] == 1 and entry["error"][0] == "PreprocessError"
+
+
 def test_chunk_member_that_is_gone_is_named_cached_and_not_read_again(
     s3, s3fs_client, bucket, redis_url
 ):
