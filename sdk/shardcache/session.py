@@ -111,10 +111,9 @@ class RankSession:
         # The largest read of this epoch in this process: a drop_last tail
         # handed out and never read is less than it (slot.py's resume check).
         self.epoch_batch = 0
-        # The saved epoch's batch a resume brought (its state's "batch"): a
-        # process resumed at a drop_last epoch's end reads nothing and is
-        # handed the dropped tail, which is less than this.
-        self.resumed_batch = 0
+        # (epoch, batch): the saved epoch's largest read a resume brought (its
+        # state's "batch"); slot.py's workers-read check uses it.
+        self.resumed_batch = (-1, 0)
         self._read_ahead_to = (-1, 0)  # (epoch, position) read ahead up to
         self._prefetched_to: tuple[Any, int] = (None, 0)  # (epoch..., position)
         self.epoch_reported = False
@@ -425,7 +424,6 @@ class RankSession:
         if not resuming:
             self.consumed = 0
             self.cursor = 0
-            self.resumed_batch = 0
         self.epoch_batch = 0
         self.waits.reset()
         if self.reader is not None and self.is_current:

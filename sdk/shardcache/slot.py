@@ -165,16 +165,31 @@ class SessionSlot:
             **position,
             "dataset": self.spec.name,
             "consumed": self.session.consumed if consumed is None else int(consumed),
-            "batch": self._batch(),
+            "batch": self._saved_batch(),
             "manifest": self.generations.digest,
             "generation": self.generations.generation,
             "layout": layout_digest(self.sampler.sizes),
             "node": current_node(),
         }
 
+    def _saved_batch(self) -> int:
+        """This epoch's largest read, here or in the run this one resumed."""
+        epoch, resumed = self.session.resumed_batch
+        if epoch != self.sampler.epoch:
+            resumed = 0
+        return max(self.session.epoch_batch, resumed)
+
     def _batch(self) -> int:
-        """This epoch's largest read, in this process or the run it resumed."""
-        return max(self.session.epoch_batch, self.session.resumed_batch)
+        """This epoch's largest read in this process; once the epoch's
+        iteration has ended, the run it resumed counts too. A process resumed
+        at a drop_last epoch's end (at one rank's or another world's state)
+        reads nothing and is handed the dropped tail, less than that batch.
+        Mid-epoch only this process's reads count: its DataLoader may read
+        with workers and another batch size than the saved run."""
+        sampler, (epoch, resumed) = self.sampler, self.session.resumed_batch
+        if epoch != sampler.epoch or sampler.handed_out() < len(sampler):
+            resumed = 0
+        return max(self.session.epoch_batch, resumed)
 
     def _check_reads_are_here(self) -> None:
         read_here = self.session.consumed
@@ -222,7 +237,7 @@ class SessionSlot:
             dataset=self.spec.name,
         )
         session.consumed = session.cursor = consumed
-        session.resumed_batch = saved_batch(state)
+        session.resumed_batch = (self.sampler.epoch, saved_batch(state))
         return crossed_listing(state, digest, explain, self.spec.name)
 
     def warm(self, steps: int, batch_size: int, *, progress: bool) -> dict[str, int]:

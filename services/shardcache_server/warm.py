@@ -224,7 +224,7 @@ def warm_dataset(
         # Chunks an earlier job cached with rows that do not read or decode
         # answer as cached; their index entries name those rows.
         failed_rows, first_error = _cached_failures(
-            index, name, generation, [items[c][0] for c in sorted(assigned)]
+            index, name, generation, [items[c][:2] for c in sorted(assigned)]
         )
     if first_error is not None:
         kind, message = first_error
@@ -288,12 +288,16 @@ def _first_fetch_error(
 
 
 def _cached_failures(
-    index: RedisIndex, name: str, generation: int, chunks: list[str]
+    index: RedisIndex, name: str, generation: int, chunks: list[tuple[str, str]]
 ) -> tuple[int, tuple[str, str] | None]:
-    """Rows of ``chunks`` cached as failed (their entries' ``failed``), and
-    the first one's ``(error class, message)``."""
-    entries = index.entries(name, generation, chunks)
-    failed = [e for c in chunks if (e := entries.get(c)) and e.get("failed")]
+    """Rows of ``chunks`` (key, version) cached as failed at that version
+    (their entries' ``failed``), and the first one's ``(error class, message)``."""
+    entries = index.entries(name, generation, [key for key, _ in chunks])
+    failed = [
+        e
+        for key, version in chunks
+        if (e := entries.get(key)) and e.get("failed") and e.get("etag") == version
+    ]
     if not failed:
         return 0, None
     kind, message = failed[0].get("error") or ("ShardCacheError", "a row failed")

@@ -272,3 +272,32 @@ def test_the_state_of_a_resumed_drop_last_epoch_end_is_not_refused(
     loader = DataLoader(again, batch_size=4, sampler=again.sampler, drop_last=True)
     assert list(loader) == []  # the tail of 2, dropped
     assert again.state_dict()["consumed"] == 16
+
+
+def test_the_state_of_an_elastic_resume_at_a_drop_last_epoch_end_is_not_refused(
+    ray_cluster, s3, s3fs_client, bucket, redis_url, namespace
+):
+    # Two ranks end a drop_last epoch with a tail of 1 each; resumed at one
+    # rank, the epoch's rest is those 2 samples, under one batch: dropped.
+    url = _data(s3fs_client, bucket, count=18)
+
+    def dataset(rank: int, world: int) -> DistributedCachedDataset:
+        return DistributedCachedDataset(
+            url, storage_options=s3.storage_options(), redis_url=redis_url,
+            namespace=namespace, rank=rank, world_size=world, chunk_samples=4,
+        )  # fmt: skip
+
+    states = []
+    for rank in (0, 1):
+        ds = dataset(rank, 2)
+        loader = DataLoader(ds, batch_size=4, sampler=ds.sampler, drop_last=True)
+        assert len(list(loader)) == 2  # 8 of its 9
+        states.append(ds.state_dict())
+    merged = DistributedCachedDataset.merge_states(states)
+    assert merged["batch"] == 4
+    one = dataset(0, 1)
+    one.load_state_dict(merged, nodes=[states[0]["node"]])
+    one.set_epoch(one.sampler.epoch)
+    loader = DataLoader(one, batch_size=4, sampler=one.sampler, drop_last=True)
+    assert list(loader) == []  # the 2 left, under one batch
+    one.state_dict()  # not refused

@@ -7,6 +7,7 @@ node it ran on.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from numbers import Integral
 from typing import Any
@@ -259,7 +260,8 @@ def gather_outcomes(produce: Callable[[], Any]) -> list[Any]:
 
     A rank whose ``produce`` raises still joins the collective, with its
     error: every rank then raises (the failing one its own exception, the
-    others the same class naming that rank), where before the others waited
+    others the project's error of that name, or ``ShardCacheError`` for a
+    builtin, naming that rank), where before the others waited
     in ``all_gather_object`` for a rank that never came, until the process
     group's timeout (30 minutes by default). Without a process group it is
     ``[produce()]``.
@@ -270,7 +272,7 @@ def gather_outcomes(produce: Callable[[], Any]) -> list[Any]:
     failed: BaseException | None = None
     try:
         mine: tuple[str, Any] = ("ok", produce())
-    except Exception as exc:  # every kind: a rank must never leave the others waiting
+    except BaseException as exc:  # even Ctrl-C: never leave the others waiting
         failed = exc
         mine = ("error", (type(exc).__name__, str(exc)))
     out: list[Any] = [None] * dist.get_world_size()
@@ -297,17 +299,27 @@ def check_consumed(consumed: Any, length: int, rank: int, resumed: bool) -> None
     Raises:
         ConfigError: naming the count and what it may be.
 
+    >>> import torch; check_consumed(torch.tensor(10), 10, 0, False)
     >>> check_consumed(-1, 10, 0, False)
     Traceback (most recent call last):
     ...
-    shardcache.errors.ConfigError: state_dict(consumed=-1): the count of samples this rank took this epoch is an integer from 0 to rank 0's share of the epoch, 10 (len(ds.sampler)), counted from the epoch's start.
+    shardcache.errors.ConfigError: state_dict(consumed=-1): the count of samples this rank took this epoch, counted from the epoch's start, is an integer from 0 to rank 0's share of the epoch, 10 (len(ds.sampler)); a short last batch counts its own size.
     """
-    if _count(consumed) and (resumed or int(consumed) <= length):
+    try:  # an int, numpy's, or a 0-d integer tensor; never a float or bool
+        count = None if isinstance(consumed, bool) else operator.index(consumed)
+    except TypeError:
+        count = None
+    if count is not None and count >= 0 and (resumed or count <= length):
         return
     raise ConfigError(
         f"state_dict(consumed={consumed!r}): the count of samples this rank took "
-        f"this epoch is an integer from 0 to rank {rank}'s share of the epoch, "
-        f"{length} (len(ds.sampler)), counted from the epoch's start."
+        "this epoch, counted from the epoch's start, is an integer "
+        + (
+            ">= 0."
+            if resumed
+            else f"from 0 to rank {rank}'s share of the epoch, {length} "
+            "(len(ds.sampler)); a short last batch counts its own size."
+        )
     )
 
 
