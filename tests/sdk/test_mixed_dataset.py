@@ -136,3 +136,31 @@ def test_mixture_state_under_dataloader_workers_asks_for_the_count(parts):
     in_process = DataLoader(mix, batch_sampler=mix.sampler.batches())
     next(iter(in_process))
     assert mix.state_dict()["consumed"] == 3
+
+
+def test_mixture_resumed_at_a_drop_last_epoch_end_is_not_refused(parts):
+    # 18 draws in batches of 4: the tail of 2 is drawn and dropped. Resumed
+    # after the last full batch, the process reads nothing this epoch.
+    web, books, _ = parts
+
+    def mixture() -> MixedDataset:
+        return MixedDataset(
+            [web, books], weights=[2, 1], batch_size=4, rank=0, world_size=1
+        )
+
+    mix = mixture()
+    mix.set_epoch(0)
+    assert (
+        len(list(DataLoader(mix, batch_sampler=mix.sampler.batches(drop_last=True))))
+        == 4
+    )
+    state = mix.state_dict()
+    assert state["consumed"] == 16
+    again = mixture()
+    again.load_state_dict(state)
+    again.set_epoch(again.sampler.epoch)
+    assert (
+        list(DataLoader(again, batch_sampler=again.sampler.batches(drop_last=True)))
+        == []
+    )
+    assert again.state_dict()["consumed"] == 16
