@@ -78,7 +78,9 @@ def run_preprocess(
     except Exception as exc:  # user code: any exception is the user's to see
         raise PreprocessError(
             f"{label} {getattr(fn, '__qualname__', fn)!r} raised {type(exc).__name__} "
-            f"for {url!r}: {exc}. Nothing was cached for this object."
+            f"for {url!r}: {exc}. Its row is kept as failed until the object "
+            "changes; fix the object or the preprocess (a new preprocess is a "
+            "new generation), or pass on_error='skip'."
         ) from exc
     if isinstance(value, dict):
         if not value or not all(isinstance(k, str) for k in value):

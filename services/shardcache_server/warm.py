@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ from shardcache.manifest import Manifest
 from shardcache.packed_manifest import format_of, objects_preprocess
 from shardcache.sampler import first_steps
 from shardcache.sharding import assign_chunks
-from shardcache.spec import default_name
+from shardcache.spec import default_name, open_token
 from shardcache.transport.base import Status
 from shardcache_server.cluster import ensure_stores
 from shardcache_server.preprocess import get_preprocessor
@@ -119,7 +120,12 @@ def warm_dataset(
         }
         if fmt:
             spec.update(format=fmt, format_options=format_options or {})
-    ref, digest = _unwrap(lambda: ray.get(handles[nodes[0]].manifest.remote(spec)))
+    # Listed anew, as a job's dataset is (revalidate="job"): warm pre-fills
+    # the source as it is now, never the versions of the last listing.
+    token = open_token("job", f"warm-{uuid.uuid4().hex}")
+    ref, digest = _unwrap(
+        lambda: ray.get(handles[nodes[0]].manifest.remote(spec, token))
+    )
     manifest = Manifest.from_object(ray.get(ref))
     if like is None:
         if fn is None:  # the job's default, decided the same way (dataset.py)
@@ -219,25 +225,30 @@ def warm_dataset(
         first_error = _first_fetch_error(
             index, name, since, FETCH_ERROR_WAIT_S if counts["not_kept"] else 0.0
         )
-    failed_rows = 0
-    if first_error is None:
-        # Chunks an earlier job cached with rows that do not read or decode
-        # answer as cached; their index entries name those rows.
-        failed_rows, first_error = _cached_failures(
-            index, name, generation, [items[c][:2] for c in sorted(assigned)]
-        )
+    # Chunks cached with rows that do not read or decode (built now, or by an
+    # earlier job and answered as cached) say so in their index entries.
+    warmed = [items[c][:2] for c in sorted(assigned)]
+    failed_rows, cached_error = _cached_failures(index, name, generation, warmed)
+    first_error = first_error or cached_error
     if first_error is not None:
+        if not failed_rows and counts["fetched"]:
+            # A chunk built just now records its entry as it answers.
+            time.sleep(0.5)
+            failed_rows, _ = _cached_failures(index, name, generation, warmed)
         kind, message = first_error
         not_cached = counts["errors"] + counts["not_kept"]
-        what = (
-            f"{failed_rows} of {total} samples are cached as failed rows: they "
-            "did not read or decode when the chunk was built, and reading one "
-            "raises this error (or is skipped with on_error='skip')"
-            if failed_rows and not not_cached
-            else f"{not_cached} of {total} samples in chunks not cached"
+        what = [f"{not_cached} of {total} samples in chunks not cached"] * (
+            not_cached > 0
         )
+        if failed_rows:
+            what.append(
+                f"{failed_rows} of {total} samples are cached as failed rows: "
+                "they did not read or decode, and reading one raises this error "
+                "(or is skipped with on_error='skip')"
+            )
         raise error_type(kind)(
-            f"warming {name!r} did not cache every sample ({what}). "
+            f"warming {name!r} did not cache every sample "
+            f"({'; '.join(what) or 'some samples did not read or decode'}). "
             f"The first failure: {message}"
         )
     return {

@@ -40,6 +40,12 @@ def test_cli_warm_stats_ls_invalidate_roundtrip(
     assert "20 objects, 20 fetched" in res.output and s3.total_gets == 20
     again = runner.invoke(app, warm)
     assert "20 already cached" in again.output and s3.total_gets == 20
+    # Each warm lists the source anew, as a job does: a rewritten object is
+    # read again (its chunk rebuilt around it), never the last listing's.
+    s3fs_client.pipe({f"{bucket}/w/07.bin": b"new" * 50})
+    rewritten = runner.invoke(app, warm)
+    assert rewritten.exit_code == 0, rewritten.output
+    assert "15 already cached" in rewritten.output and s3.total_gets == 21
     owners = ClusterIndex.from_url(redis_url, namespace).owners("warmed", 1)
     assert (
         len({o.split("/")[0] for o in owners.values()}) == 2
@@ -83,6 +89,9 @@ def test_cli_warm_that_read_nothing_says_so_and_fails(
     res = runner.invoke(app, [*warm, "--preprocess", "decode_image", "--force"])
     assert res.exit_code == 2, res.output
     assert "PreprocessError" in res.output and f"{bucket}/f/" in res.output
+    said = " ".join(res.output.split())  # rich wraps the line
+    assert "6 of 6 samples are cached as failed rows" in said, res.output
+    assert "0 of 6" not in said
     # Run again, the chunks are cached (with those rows failed): still exit 2.
     again = runner.invoke(app, [*warm, "--preprocess", "decode_image"])
     assert again.exit_code == 2, again.output
