@@ -52,6 +52,7 @@ __all__ = [
     "Chunk",
     "ChunkLayout",
     "plan_chunks",
+    "row_errors",
 ]
 
 DEFAULT_CHUNK_BYTES = (
@@ -173,7 +174,7 @@ class Chunk:
         """The ``(error class, message)`` of a failed row, else ``None``."""
         if not self.failed[row]:
             return None
-        errors = json.loads(bytes(self.columns[ERRORS]).decode() or "{}")
+        errors = row_errors(self.columns)
         kind, message = errors.get(str(row), ("RemoteFetchError", "member failed"))
         return str(kind), str(message)
 
@@ -237,3 +238,14 @@ def batch_shape(chunks: Sequence[Chunk], rows: Sequence[int], field: str) -> tup
             "one at a time with ds[i]."
         )
     return shapes.pop()
+
+
+def row_errors(columns: dict[str, np.ndarray]) -> dict[str, list[str]]:
+    """A chunk's failed rows, ``{row: [error class, message]}`` (its
+    ``__errors__`` column; ``{}`` when it has none).
+
+    >>> row_errors({ERRORS: np.frombuffer(b'{"2": ["A", "b"]}', np.uint8)})
+    {'2': ['A', 'b']}
+    """
+    raw = columns.get(ERRORS)
+    return {} if raw is None else json.loads(bytes(raw).decode() or "{}")

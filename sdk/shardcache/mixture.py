@@ -273,9 +273,7 @@ class MixedDataset(Dataset[Any]):
         else:
             # Only its type and sign: after a resume at another world size
             # the sampler's order starts where the saved progress ended.
-            check_consumed(
-                consumed, len(self._sampler), self._sampler.rank, resumed=True
-            )
+            check_consumed(consumed, None, self._sampler.rank)
         return {
             **self._sampler.state(),
             "consumed": self._consumed if consumed is None else int(consumed),

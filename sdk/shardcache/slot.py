@@ -155,11 +155,11 @@ class SessionSlot:
         if consumed is None:
             self._check_reads_are_here()
         else:
+            # Inside an epoch resumed at another world size, the resume's
+            # plan bounds the count when it is loaded.
+            elastic = position["resumed_from"] is not None
             check_consumed(
-                consumed,
-                len(self.sampler),
-                self.sampler.rank,
-                resumed=position["resumed_from"] is not None,
+                consumed, None if elastic else len(self.sampler), self.sampler.rank
             )
         return {
             **position,
@@ -186,10 +186,9 @@ class SessionSlot:
         reads nothing and is handed the dropped tail, less than that batch.
         Mid-epoch only this process's reads count: its DataLoader may read
         with workers and another batch size than the saved run."""
-        sampler, (epoch, resumed) = self.sampler, self.session.resumed_batch
-        if epoch != sampler.epoch or sampler.handed_out() < len(sampler):
-            resumed = 0
-        return max(self.session.epoch_batch, resumed)
+        if self.sampler.handed_out() < len(self.sampler):
+            return self.session.epoch_batch
+        return self._saved_batch()
 
     def _check_reads_are_here(self) -> None:
         read_here = self.session.consumed

@@ -237,9 +237,9 @@ def warm_dataset(
             failed_rows, _ = _cached_failures(index, name, generation, warmed)
         kind, message = first_error
         not_cached = counts["errors"] + counts["not_kept"]
-        what = [f"{not_cached} of {total} samples in chunks not cached"] * (
-            not_cached > 0
-        )
+        what = []
+        if not_cached:
+            what.append(f"{not_cached} of {total} samples in chunks not cached")
         if failed_rows:
             what.append(
                 f"{failed_rows} of {total} samples are cached as failed rows: "

@@ -242,17 +242,14 @@ def gather_states(produce: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
         ShardCacheError: ``produce`` raised on any rank: raised on every
             rank (see :func:`gather_outcomes`).
     """
-    dist = _dist()
-    if dist is None:
-        state = produce()
-        if int(state["world_size"]) != 1:
-            raise ConfigError(
-                "gather_states needs torch.distributed initialised when "
-                f"world_size={state['world_size']}; or save each rank's state_dict() "
-                "and pass the list to merge_states."
-            )
-        return merge_states([state])
-    return merge_states(gather_outcomes(lambda: dict(produce())))
+    states = gather_outcomes(lambda: dict(produce()))
+    if _dist() is None and int(states[0]["world_size"]) != 1:
+        raise ConfigError(
+            "gather_states needs torch.distributed initialised when "
+            f"world_size={states[0]['world_size']}; or save each rank's "
+            "state_dict() and pass the list to merge_states."
+        )
+    return merge_states(states)
 
 
 def gather_outcomes(produce: Callable[[], Any]) -> list[Any]:
@@ -289,18 +286,17 @@ def gather_outcomes(produce: Callable[[], Any]) -> list[Any]:
     return [value for _, value in out]
 
 
-def check_consumed(consumed: Any, length: int, rank: int, resumed: bool) -> None:
+def check_consumed(consumed: Any, length: int | None, rank: int) -> None:
     """``state_dict(consumed=N)``'s count, checked when it is saved rather
     than when the checkpoint is loaded (maybe days later): an integer >= 0,
-    and at most the rank's share of the epoch (``length``), unless
-    ``resumed`` (an epoch resumed at another world size, whose plan checks
-    it when loaded).
+    and at most the rank's share of the epoch, ``length`` (``None``: no bound
+    known here).
 
     Raises:
         ConfigError: naming the count and what it may be.
 
-    >>> import torch; check_consumed(torch.tensor(10), 10, 0, False)
-    >>> check_consumed(-1, 10, 0, False)
+    >>> import torch; check_consumed(torch.tensor(10), 10, 0)
+    >>> check_consumed(-1, 10, 0)
     Traceback (most recent call last):
     ...
     shardcache.errors.ConfigError: state_dict(consumed=-1): the count of samples this rank took this epoch, counted from the epoch's start, is an integer from 0 to rank 0's share of the epoch, 10 (len(ds.sampler)); a short last batch counts its own size.
@@ -309,14 +305,14 @@ def check_consumed(consumed: Any, length: int, rank: int, resumed: bool) -> None
         count = None if isinstance(consumed, bool) else operator.index(consumed)
     except TypeError:
         count = None
-    if count is not None and count >= 0 and (resumed or count <= length):
+    if count is not None and count >= 0 and (length is None or count <= length):
         return
     raise ConfigError(
         f"state_dict(consumed={consumed!r}): the count of samples this rank took "
         "this epoch, counted from the epoch's start, is an integer "
         + (
             ">= 0."
-            if resumed
+            if length is None
             else f"from 0 to rank {rank}'s share of the epoch, {length} "
             "(len(ds.sampler)); a short last batch counts its own size."
         )

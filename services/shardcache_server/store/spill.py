@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from shardcache.checksum import is_intact
-from shardcache.chunks import ERRORS
+from shardcache.chunks import row_errors
 from shardcache.errors import ChunkFileError
 from shardcache.keys import parse_chunk_key
 from shardcache_server.store.datasets import Dataset, Item
@@ -172,7 +171,7 @@ class Spill:
             generation,
             int(sum(v.nbytes for v in columns.values())),
             ds.manifest.hashes[lo:hi].copy(),
-            failed_rows(json.loads(bytes(columns.get(ERRORS, b"")).decode() or "{}")),
+            failed_rows(row_errors(columns)),
         )
 
     def soon(self, dataset: str, generation: int, chunk: str, value: Cached) -> None:
