@@ -93,6 +93,13 @@ class ChunkReader:
         self.saw_uncached = False  # the stores could not cache a chunk this generation
         self._background: ThreadPoolExecutor | None = None
         self.counts = {o: 0 for o in ORIGINS} | {f"{o}_bytes": 0 for o in ORIGINS}
+        # The reading this process's requests are for (``job:epoch``, set by
+        # the session): a chunk another rank of the job had built from the
+        # source in this epoch comes back FETCHED, so its rows here count as
+        # source too. "" where the epoch may be stale (a persistent
+        # DataLoader worker's copy of the sampler): a build counts for the
+        # request that made it only.
+        self.reads_for = ""
 
     # -- listing and generation ---------------------------------------------------------
     def set_manifest(self, manifest: Manifest, digest: str) -> None:
@@ -263,7 +270,12 @@ class ChunkReader:
         largest = self._largest or max((it[2] for it in items), default=0)
         spent = self.hold_bytes - self._held_bytes < largest
         results = self.client.resolve(
-            self.name, generation, items, self.digest, prefer_files=spent
+            self.name,
+            generation,
+            items,
+            self.digest,
+            prefer_files=spent,
+            reader=self.reads_for,
         )
         # A disk-tier file is mapped again on every resolve (it is not held):
         # sampled once per epoch, as a held chunk is once, since a check

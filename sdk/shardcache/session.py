@@ -182,7 +182,16 @@ class RankSession:
             config.verify_reads,
             self.spec.variants,
         )
+        self.reader.reads_for = self._reading()
         return self.reader
+
+    def _reading(self) -> str:
+        """What this process's requests read for: ``job:epoch`` in a rank's
+        own process, "" in a DataLoader worker (a persistent one keeps the
+        sampler's epoch of its start, so it cannot say which epoch it reads)."""
+        if get_worker_info() is not None:
+            return ""
+        return f"{self.job.id}:{self.sampler.epoch}"
 
     def use_listing(self, manifest: Manifest, digest: str, stale: list[int]) -> None:
         """Read ``manifest`` from now on (a refresh): chunks built from changed
@@ -428,6 +437,7 @@ class RankSession:
         self.waits.reset()
         if self.reader is not None and self.is_current:
             self.reader.new_epoch()
+            self.reader.reads_for = self._reading()
 
     def _advise_block(self) -> None:
         """After a warm epoch under a full shuffle that rebuilt many evicted

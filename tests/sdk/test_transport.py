@@ -183,7 +183,9 @@ class _ListTransport:
     def install(self, spec, preprocess, target=None):
         pass
 
-    def resolve(self, name, generation, items, digest=None, *, prefer_files=False):
+    def resolve(
+        self, name, generation, items, digest=None, *, prefer_files=False, reader=""
+    ):
         self.calls.append([key for key, _, _ in items])
         status = Status.FETCHED if len(self.calls) == 1 else Status.HIT
         return [(status, self.chunks[key]) for key, _, _ in items]

@@ -409,3 +409,37 @@ def test_shard_persistent_source_fault_is_remote_fetch_error_naming_key(
     # 9.3.1), so a dropped attempt reaches the server twice.
     assert s3.total_gets == 3 * (2 if plan.reset_rate else 1)
     assert info["entries"] == 0
+
+
+def test_a_build_reads_as_source_for_its_own_reading_and_a_hit_for_others(
+    s3, s3fs_client, bucket, redis_url
+):
+    """A chunk built for job A's epoch 0 is a source read for every rank of
+    that reading (a rank asking after the build finished included), and a hit
+    for job B, even when B's request joined the build while it ran."""
+    cfg, _index, spec, items = _setup(s3, s3fs_client, bucket, redis_url, count=4)
+
+    async def scenario():
+        shard = local_shard(cfg)
+        await shard.install(spec, raw_bytes)
+        a, b = await asyncio.gather(
+            shard.get("ds", 1, items, reader="job-a:0"),
+            shard.get("ds", 1, items, reader="job-b:0"),
+        )
+        later = {
+            reading: await shard.get("ds", 1, items, reader=reading)
+            for reading in ("job-a:0", "job-a:1", "job-b:0", "")
+        }
+        await shard.close()
+        return a, b, later
+
+    a, b, later = _run(scenario())
+    assert s3.total_gets == 4
+    statuses = lambda results: {r[0] for r in results}  # noqa: E731
+    assert (statuses(a), statuses(b)) == ({"fetched"}, {"hit"})
+    assert {k: statuses(v) for k, v in later.items()} == {
+        "job-a:0": {"fetched"},  # another rank of the reading that built it
+        "job-a:1": {"hit"},  # the job's next epoch
+        "job-b:0": {"hit"},
+        "": {"hit"},  # a caller that names no reading (a DataLoader worker)
+    }

@@ -101,6 +101,31 @@ with open(f"{out}.{ds.rank}.json", "w") as f:
 """
 
 
+STRAGGLER = """
+import io, json, sys, time
+import numpy as np
+import torch
+from shardcache import DistributedCachedDataset
+
+def load_npy(data):
+    return np.load(io.BytesIO(data))
+
+url, options, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+ds = DistributedCachedDataset(url, preprocess=load_npy, storage_options=options)
+loader = torch.utils.data.DataLoader(ds, batch_size=4, sampler=ds.sampler)
+for epoch in range(2):
+    ds.set_epoch(epoch)
+    if ds.rank == 1 and epoch == 0:
+        time.sleep(5)  # a slow rank: rank 0 builds the chunk their shards share
+    for batch in loader:
+        pass
+stats = ds.stats()
+with open(f"{out}.{ds.rank}.json", "w") as f:
+    json.dump({"job": stats["job"], "hits": stats["hits"],
+               "misses": stats["misses"]}, f)
+"""
+
+
 def _put(fs, bucket: str, i: int, value: int) -> None:
     buf = __import__("io").BytesIO()
     np.save(buf, np.array([value, i], np.int64))
@@ -382,3 +407,34 @@ def test_staggered_jobs_read_each_object_once_and_later_jobs_start_from_the_cach
         if name == "c":  # its first epoch came from the cache
             assert [r["misses"] for r in ranks] == [0, 0]
             assert sum(r["hits"] for r in ranks) == 3 * OBJECTS
+
+
+def test_a_chunk_split_between_ranks_counts_its_reads_once_for_its_job(
+    user, s3, s3fs_client, bucket
+):
+    """16 objects are one chunk, its rows split between the two ranks. Rank 1
+    asks for its half after rank 0's request built it: both halves were read
+    from the source in this epoch, so both ranks count them as source reads
+    (rank 1 counted its half as hits before: "50% hit rate" on a cold epoch).
+    A second job reads the chunk the first one built: hits only."""
+    for i in range(16):
+        _put(s3fs_client, bucket, i, i)
+    url, options = f"s3://{bucket}/train/", s3.storage_options()
+    script = user.write("straggler.py", STRAGGLER)
+
+    first = _run_job(user, script, url, options, user.workdir / "first")
+    assert s3.total_gets == 16
+    assert [r["misses"] for r in first] == [8, 8]  # epoch 0: every row a GET
+    assert [r["hits"] for r in first] == [8, 8]  # epoch 1: held
+    metrics = _metrics(user, _redis_url(user.home))
+    name = default_name(url)
+    assert (
+        _metric(metrics, "shardcache_samples_total", dataset=name, origin="source")
+        == 16
+    )
+
+    s3.reset_counts()
+    second = _run_job(user, script, url, options, user.workdir / "second")
+    assert s3.total_gets == 0
+    assert [(r["misses"], r["hits"]) for r in second] == [(0, 16), (0, 16)]
+    assert second[0]["job"] != first[0]["job"]

@@ -152,13 +152,16 @@ class Transport(Protocol):
         digest: str | None = None,
         *,
         prefer_files: bool = False,
+        reader: str = "",
     ) -> list[tuple[str, Any]]:
         """``(Status, columns)`` per item, in order; columns are read-only
         views (the object store, shared memory or the received stream).
         ``prefer_files``: the caller keeps no chunk from memory between
         batches, so a chunk on the node's disk tier is better handed as its
         file (mapped, kept for the epoch, pinning no memory) where the
-        transport can.
+        transport can. ``reader``: the reading asked for (``job:epoch``, or
+        ""): a chunk built from the source for that reading comes back
+        ``FETCHED`` to every rank of it, not only to the one that asked first.
 
         Raises:
             StaleVersionError: ``generation`` was invalidated meanwhile.

@@ -207,6 +207,7 @@ class CacheClient:
         digest: str | None = None,
         *,
         prefer_files: bool = False,
+        reader: str = "",
     ) -> list[tuple[str, Any]]:
         """``(status, columns)`` per chunk: :meth:`get_refs` then one ``ray.get``
         (zero-copy views of this node's object store). A chunk the store
@@ -228,6 +229,7 @@ class CacheClient:
                 digest,
                 files=self._maps_files,
                 prefer_files=prefer_files and self._maps_files,
+                reader=reader,
             )
             values: list[Any] = [None] * len(results)
             gone = []
@@ -248,7 +250,7 @@ class CacheClient:
                     )
                     self._maps_files = False
                 again = self.get_refs(
-                    name, generation, [items[j] for j in gone], digest
+                    name, generation, [items[j] for j in gone], digest, reader=reader
                 )
                 for j, res in zip(gone, again, strict=True):
                     results[j] = res
@@ -328,6 +330,7 @@ class CacheClient:
         *,
         files: bool = False,
         prefer_files: bool = False,
+        reader: str = "",
     ) -> list[tuple[str, Any]]:
         """One store call for many chunks: ``(status, ObjectRef)`` per item.
 
@@ -336,7 +339,7 @@ class CacheClient:
         maps chunk files, so a chunk only on the node's disk tier may come
         back as ``(Status.DISK, path)`` instead of a reference;
         ``prefer_files``: a chunk held in memory too, where its file is
-        written (see the store's ``get``).
+        written; ``reader``: the reading asked for (see the store's ``get``).
 
         Raises:
             StaleVersionError: ``generation`` was invalidated meanwhile.
@@ -356,6 +359,7 @@ class CacheClient:
                         digest=digest,
                         files=files,
                         prefer_files=prefer_files,
+                        reader=reader,
                     ),
                     timeout=self.config.request_timeout_s,
                 )

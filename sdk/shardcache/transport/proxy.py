@@ -232,6 +232,7 @@ class ProxyClient:
         digest: str | None,
         *,
         prefer_files: bool = False,
+        reader: str = "",
     ) -> list[tuple[str, dict[str, np.ndarray]]]:
         """``(status, columns)`` per chunk; columns view shared memory (local)
         or the received stream (remote). ``prefer_files`` changes nothing:
@@ -245,6 +246,7 @@ class ProxyClient:
                     "generation": generation,
                     "items": [list(item) for item in items[i : i + MAX_FDS_PER_FRAME]],
                     "digest": digest,
+                    "reader": reader,
                 }
             )
         return out

@@ -241,7 +241,9 @@ class Endpoint:
         if len(items) > MAX_FDS_PER_FRAME:
             raise ConfigError(f"at most {MAX_FDS_PER_FRAME} chunks per request")
         name, generation = str(m["name"]), int(m["generation"])
-        results = self.client.resolve(name, generation, items, m.get("digest"))
+        results = self.client.resolve(
+            name, generation, items, m.get("digest"), reader=str(m.get("reader", ""))
+        )
         files: Files = []
         statuses = []
         for (key, version, _), (status, columns) in zip(items, results, strict=True):

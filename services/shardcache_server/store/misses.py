@@ -87,33 +87,66 @@ class MissResolver:
         self._peer = peer
         self._build = build
         self._inflight: dict[Key, asyncio.Future[Result]] = {}
+        self._readers: dict[Key, str] = {}  # the reading each miss is built for
 
     def __len__(self) -> int:
         """Misses in flight."""
         return len(self._inflight)
 
     async def get(
-        self, ds: Dataset, generation: int, items: list[Item], *, forwarded: bool
+        self,
+        ds: Dataset,
+        generation: int,
+        items: list[Item],
+        *,
+        forwarded: bool,
+        reader: str = "",
     ) -> list[Result]:
         """The result of every missed item, in order: a miss already in
-        flight is joined, the others are resolved together in one task."""
+        flight is joined, the others are resolved together in one task.
+
+        ``reader`` (``job:epoch`` or ""): the reading this request is for. A
+        build is recorded for the reading that started it; another reading
+        that joins it is answered ``HIT``, since its job made no read (two
+        jobs asking at once both counted the one GET before)."""
         loop = asyncio.get_running_loop()
-        waiting: list[asyncio.Future[Result]] = []
+        waiting: list[tuple[asyncio.Future[Result], bool]] = []
         to_load: list[Item] = []
         for url, etag, size in items:
             key = (ds.name, generation, url, etag)
             fut = self._inflight.get(key)
+            joined_other = False
             if fut is None:
                 fut = loop.create_future()
                 self._inflight[key] = fut
+                self._readers[key] = reader
                 to_load.append((url, etag, size))
-            waiting.append(fut)
+            else:
+                builder = self._readers.get(key, "")
+                joined_other = bool(reader and builder) and builder != reader
+            waiting.append((fut, joined_other))
         if to_load:
-            loop.create_task(self.resolve(ds, generation, to_load, forwarded=forwarded))
-        return [await asyncio.shield(fut) for fut in waiting]
+            loop.create_task(
+                self.resolve(
+                    ds, generation, to_load, forwarded=forwarded, reader=reader
+                )
+            )
+        out = []
+        for fut, joined_other in waiting:
+            res = await asyncio.shield(fut)
+            if joined_other and res[0] == Status.FETCHED:
+                res = (Status.HIT, res[1])
+            out.append(res)
+        return out
 
     async def resolve(
-        self, ds: Dataset, generation: int, items: list[Item], *, forwarded: bool
+        self,
+        ds: Dataset,
+        generation: int,
+        items: list[Item],
+        *,
+        forwarded: bool,
+        reader: str = "",
     ) -> None:
         """Settle every item; any failure settles them all with the error.
 
@@ -127,9 +160,9 @@ class MissResolver:
             mine, remote = await self._claim(
                 ds.name, generation, list(by_url), forwarded
             )
-            jobs = [self.load(ds, generation, by_url[u]) for u in mine]
+            jobs = [self.load(ds, generation, by_url[u], reader) for u in mine]
             jobs += [
-                self._forward(ds, generation, owner, [by_url[u] for u in urls])
+                self._forward(ds, generation, owner, [by_url[u] for u in urls], reader)
                 for owner, urls in remote.items()
             ]
             outcomes = await asyncio.gather(*jobs, return_exceptions=True)
@@ -144,8 +177,10 @@ class MissResolver:
                     (Status.ERROR, type(exc).__name__, f"{url!r}: {exc}"),
                 )
 
-    async def load(self, ds: Dataset, generation: int, item: Item) -> None:
-        """Settle one chunk this store owns.
+    async def load(
+        self, ds: Dataset, generation: int, item: Item, reader: str = ""
+    ) -> None:
+        """Settle one chunk this store owns (built for ``reader``, if built).
 
         1. this node's disk, if its file matches (``spill.load``);
         2. else build it from the source (only the members that changed
@@ -210,6 +245,7 @@ class MissResolver:
                 report["nbytes"],
                 ds.manifest.row_hashes(lo, hi).copy(),
                 failed_rows(report["errors"]),
+                reader,
             ),
             ds.manifest.chunk_source_bytes(index),
         )
@@ -282,12 +318,17 @@ class MissResolver:
         return mine, remote
 
     async def _forward(
-        self, ds: Dataset, generation: int, owner: str, items: list[Item]
+        self,
+        ds: Dataset,
+        generation: int,
+        owner: str,
+        items: list[Item],
+        reader: str = "",
     ) -> None:
         """Settle ``items`` with the owner's results, or load them here after
         taking over an owner that is unreachable."""
         node = owner.split("/", 1)[0]
-        results = await self._ask_owner(ds, generation, node, items)
+        results = await self._ask_owner(ds, generation, node, items, reader)
         if results is None:
             index = self._records.index
             assert index is not None
@@ -299,7 +340,9 @@ class MissResolver:
                 owner,
                 self.me,
             )
-            await asyncio.gather(*(self.load(ds, generation, it) for it in items))
+            await asyncio.gather(
+                *(self.load(ds, generation, it, reader) for it in items)
+            )
             return
         for (url, etag, _), res in zip(items, results, strict=False):
             if res[0] in (Status.HIT, Status.DISK_READ):
@@ -307,7 +350,7 @@ class MissResolver:
             self._settle((ds.name, generation, url, etag), res)
 
     async def _ask_owner(
-        self, ds: Dataset, generation: int, node: str, items: list[Item]
+        self, ds: Dataset, generation: int, node: str, items: list[Item], reader: str
     ) -> list[Result] | None:
         """The owner store's results (registering the dataset there first if
         it lost it), or ``None`` if it is gone, dead or hangs."""
@@ -317,7 +360,12 @@ class MissResolver:
         try:
             results: list[Result] = await asyncio.wait_for(
                 handle.get.remote(
-                    ds.name, generation, items, forwarded=True, digest=ds.digest
+                    ds.name,
+                    generation,
+                    items,
+                    forwarded=True,
+                    digest=ds.digest,
+                    reader=reader,
                 ),
                 self.settings.fetch_timeout_s * (self.settings.fetch_retries + 1),
             )
@@ -333,7 +381,12 @@ class MissResolver:
                 }
                 await handle.install.remote(spec, ds.preprocess, ds.target)
                 results = await handle.get.remote(
-                    ds.name, generation, items, forwarded=True, digest=ds.digest
+                    ds.name,
+                    generation,
+                    items,
+                    forwarded=True,
+                    digest=ds.digest,
+                    reader=reader,
                 )
         except Exception as exc:  # the owner died, hangs, or its node is gone
             is_ray = type(exc).__module__.split(".")[0] == "ray"
@@ -487,5 +540,6 @@ class MissResolver:
 
     def _settle(self, key: Key, result: Result) -> None:
         fut = self._inflight.pop(key, None)
+        self._readers.pop(key, None)
         if fut is not None and not fut.done():
             fut.set_result(result)

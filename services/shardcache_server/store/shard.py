@@ -331,6 +331,7 @@ class CacheShard:
         digest: str | None = None,
         files: bool = False,
         prefer_files: bool = False,
+        reader: str = "",
     ) -> list[Result]:
         """Return a chunk reference (or an error record) for every item, in order.
 
@@ -357,6 +358,13 @@ class CacheShard:
         whose file is on the disk tier is answered with the file too: the
         caller keeps a mapped file for its epoch without pinning memory and
         asks for it once an epoch instead of once a batch.
+
+        ``reader``: the reading the caller asks for (``job:epoch``, or "").
+        A held chunk built from the source for that same reading is answered
+        ``FETCHED``, not ``HIT``: every rank of the job that reads rows of it
+        in that epoch counts them as source reads, so the ranks' source
+        counts add up to the reads made (a chunk split between two ranks is
+        built once, for whichever asked first).
         """
         self._ensure_started()
         ds = self._datasets.get(dataset)
@@ -397,12 +405,17 @@ class CacheShard:
         results: list[Result | None] = [None] * len(items)
         missed: list[int] = []
         held_bytes: dict[int, int] = {}  # served from memory: bytes_served
+        built_here: set[int] = set()  # held, built for this reading (FETCHED)
         for i, (url, etag, _) in enumerate(items):
             cached = self._table.hit(dataset, url, etag, generation)
             if cached is None:
                 missed.append(i)
                 continue
-            results[i] = (Status.HIT, cached.ref)
+            if reader and cached.built_for == reader:
+                built_here.add(i)
+                results[i] = (Status.FETCHED, cached.ref)
+            else:
+                results[i] = (Status.HIT, cached.ref)
             if not forwarded:
                 self._stats.add(counts, "hits")
                 held_bytes[i] = cached.nbytes
@@ -411,10 +424,14 @@ class CacheShard:
         variants = [i for i in missed if keys.is_variant_key(items[i][0])]
         missed = [i for i in missed if not keys.is_variant_key(items[i][0])]
         if files and not forwarded and self._spill is not None:
+            # A chunk built for this reading stays a reference: as a file the
+            # rank would count its rows as disk reads, not the source's.
             held = [
                 i
                 for i in held_bytes
-                if prefer_files and not keys.is_variant_key(items[i][0])
+                if prefer_files
+                and not keys.is_variant_key(items[i][0])
+                and i not in built_here
             ]
             if held or missed:
                 missed = await self._serve_files(
@@ -422,12 +439,16 @@ class CacheShard:
                 )
         for i, nbytes in held_bytes.items():
             res = results[i]
-            if res is not None and res[0] == Status.HIT:  # not handed as its file
+            if res is not None and res[0] != Status.DISK:  # not handed as its file
                 self._stats.add(counts, "bytes_served", nbytes)
         if missed or variants:
             bases, views = await asyncio.gather(
                 self._misses.get(
-                    ds, generation, [items[i] for i in missed], forwarded=forwarded
+                    ds,
+                    generation,
+                    [items[i] for i in missed],
+                    forwarded=forwarded,
+                    reader=reader,
                 ),
                 self._variants.get(ds, generation, [items[i] for i in variants]),
             )

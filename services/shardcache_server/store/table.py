@@ -42,6 +42,11 @@ class Cached:
     # (SETTLED_FAILURES): recorded with the entry, so a later `warm` that
     # finds the chunk cached still names them.
     failed: tuple[int, str, str] | None = None
+    # The reading (``job:epoch``) whose request built it from the source, or
+    # "": a later hit from that same reading is answered FETCHED, so each of
+    # the job's ranks counts its rows of the chunk as source reads once (a
+    # chunk split between ranks is one build; see docs/metrics.md).
+    built_for: str = ""
 
     def failure_fields(self) -> dict[str, Any]:
         """What the chunk's index entry says of its failed rows ({} if none)."""
