@@ -59,6 +59,26 @@ def _to_array(
     return value if value.flags.c_contiguous else np.ascontiguousarray(value)
 
 
+def _pickle_hint(exc: Exception) -> str:
+    """numpy takes bytes without the ``.npy`` magic for a pickle and says so,
+    advising ``allow_pickle``; say what it really means.
+
+    >>> import io
+    >>> try:
+    ...     np.load(io.BytesIO(b"not an array"))
+    ... except ValueError as exc:
+    ...     print(_pickle_hint(exc).strip()[:43])
+    (the bytes are not a .npy array: numpy took
+    """
+    if "allow_pickle" not in str(exc):
+        return ""
+    return (
+        "\n(the bytes are not a .npy array: numpy took them for a pickle. "
+        "Nothing was unpickled, and allow_pickle=True would run whatever the "
+        "object holds: check the object, it is corrupt or not what it is named)"
+    )
+
+
 def run_preprocess(
     fn: Callable[..., Any],
     data: Any,
@@ -78,9 +98,9 @@ def run_preprocess(
     except Exception as exc:  # user code: any exception is the user's to see
         raise PreprocessError(
             f"{label} {getattr(fn, '__qualname__', fn)!r} raised {type(exc).__name__} "
-            f"for {url!r}: {exc}. Its row is kept as failed until the object "
-            "changes; fix the object or the preprocess (a new preprocess is a "
-            "new generation), or pass on_error='skip'."
+            f"for {url!r}: {exc}{_pickle_hint(exc)}. Its row is kept as failed "
+            "until the object changes; fix the object or the preprocess (a new "
+            "preprocess is a new generation), or pass on_error='skip'."
         ) from exc
     if isinstance(value, dict):
         if not value or not all(isinstance(k, str) for k in value):

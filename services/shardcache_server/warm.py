@@ -13,7 +13,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
+from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES, SOURCED
 from shardcache.config import ClientConfig
 from shardcache.decoders import as_arrays, raw_bytes
 from shardcache.embedded import attach_ray, local_redis_url
@@ -213,7 +213,11 @@ def warm_dataset(
                     counts["errors"] += n
                     first_error = first_error or (res[1], res[2])
                 elif res[0] == Status.FETCHED:
-                    counts["fetched"] += n
+                    # A partial rebuild read only its changed members: the
+                    # rows it copied from the chunk held were cached already.
+                    read = _rows_read(res[1], n)
+                    counts["fetched"] += read
+                    counts["already_cached"] += n - read
                 elif res[0] == Status.UNCACHED:  # read, then not held
                     counts["not_kept"] += n
                 else:
@@ -268,6 +272,16 @@ def warm_dataset(
 
 
 FETCH_ERROR_WAIT_S = 3.0  # a store records a failure just before it answers
+
+
+def _rows_read(ref: Any, rows: int) -> int:
+    """How many of a built chunk's ``rows`` were read from the source: all,
+    unless its ``__sourced__`` column (a partial rebuild) says fewer. The
+    columns are mapped from the object store, not copied."""
+    import ray
+
+    sourced = ray.get(ref).get(SOURCED)
+    return rows if sourced is None else int(np.count_nonzero(sourced))
 
 
 def _first_fetch_error(
