@@ -25,6 +25,7 @@ user once, at construction, to pass ``version=``.
 
 from __future__ import annotations
 
+import dis
 import functools
 import hashlib
 import inspect
@@ -204,8 +205,32 @@ def _code(code: types.CodeType) -> str:
     )
 
 
+# LOAD_FROM_DICT_OR_GLOBALS: a class body's or annotation scope's read (3.12+).
+_GLOBAL_OPS = frozenset(
+    (
+        "LOAD_GLOBAL",
+        "LOAD_NAME",
+        "STORE_GLOBAL",
+        "DELETE_GLOBAL",
+        "LOAD_FROM_DICT_OR_GLOBALS",
+    )
+)
+
+
 def _globals_read(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
+    """The global names ``code`` (and the functions, lambdas and
+    comprehensions inside it) reads or writes. Not ``co_names``: that holds
+    attribute names too, so ``x.copy()`` would make a module-level ``import
+    copy`` part of the function, and adding that import would start a new
+    generation (a README trial saw all 50 objects read again).
+
+    >>> import copy  # noqa: F401 (the global the attribute must not match)
+    >>> sorted(_globals_read((lambda x: [len(y.copy()) for y in x]).__code__))
+    ['len']
+    """
+    names = {
+        str(i.argval) for i in dis.get_instructions(code) if i.opname in _GLOBAL_OPS
+    }
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
             names |= _globals_read(c)
@@ -251,8 +276,20 @@ def _is_user_code(cls: type) -> bool:
     return module not in ("builtins", "numpy", "torch", "functools", "ray")
 
 
-_RUNTIME_MODULES = ("threading", "_thread", "logging", "multiprocessing", "queue",
-                    "concurrent", "asyncio", "socket", "ssl", "io", "_io", "weakref")
+_RUNTIME_MODULES = (
+    "threading",
+    "_thread",
+    "logging",
+    "multiprocessing",
+    "queue",
+    "concurrent",
+    "asyncio",
+    "socket",
+    "ssl",
+    "io",
+    "_io",
+    "weakref",
+)
 
 
 def _is_runtime_machinery(cls: type) -> bool:

@@ -140,3 +140,26 @@ def test_checksum_survives_a_chunk_file_round_trip(tmp_path):
     write_chunk_file(tmp_path / "c0", cols)
     back, _ = read_chunk_file(tmp_path / "c0")
     assert is_intact(back)
+
+
+def test_an_import_the_function_never_reads_changes_nothing():
+    """``b.copy()`` names the attribute ``copy``, not the module a script
+    imports under that name: adding ``import copy`` (or ``import random``
+    beside ``rng.random``) must not start a new generation. A global the
+    function does read still does, in nested code too."""
+    source = textwrap.dedent(
+        """
+        def pre(b):
+            return [x.copy() for x in b] + [SCALE]
+        """
+    )
+
+    def made(**module_globals):
+        scope = {"__name__": "user_module", **module_globals}
+        exec(source, scope)
+        return fingerprint(scope["pre"])
+
+    import copy
+
+    assert made(SCALE=2) == made(SCALE=2, copy=copy)
+    assert made(SCALE=2) != made(SCALE=3)  # read inside the comprehension
