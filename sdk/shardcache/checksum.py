@@ -94,6 +94,7 @@ def check_resolved(
     items: Sequence[tuple[str, str, int]],
     results: list[tuple[str, Any]],
     rate: float,
+    reader: str = "",
 ) -> list[tuple[str, Any]]:
     """The sampled check of chunks a rank just resolved: each is checked with
     probability ``rate``; one that fails is never served. The stores drop it,
@@ -119,7 +120,9 @@ def check_resolved(
             chunk,
         )
         client.drop_corrupt(name, generation, chunk, version)
-    again = client.resolve(name, generation, [items[j] for j in bad], digest)
+    again = client.resolve(
+        name, generation, [items[j] for j in bad], digest, reader=reader
+    )
     out = list(results)
     for j, (status, columns) in zip(bad, again, strict=True):
         if not is_intact(columns):

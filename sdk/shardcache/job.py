@@ -57,6 +57,17 @@ class JobId:
     id: str
     source: str
 
+    @property
+    def one_launch(self) -> bool:
+        """The id names one launch, never a later one: made for this launch
+        (torchrun's store, Ray Train's run, the process group, a fresh id),
+        not a name the user or a launcher may give every run alike.
+
+        >>> JobId("a1b2", "torchrun").one_launch, JobId("nightly", "job=").one_launch
+        (True, False)
+        """
+        return self.source in ("torchrun", "ray-train", "process-group", "process")
+
 
 def _fresh() -> str:
     return uuid.uuid4().hex[:16]
@@ -94,7 +105,7 @@ def resolve_job(explicit: str | None, env: Mapping[str, str] | None = None) -> J
             f"{_safe(run_id)[:40]}-{launch[:8]}" if named else launch, "torchrun"
         )
     if named:
-        return JobId(_safe(run_id), "torchrun")
+        return JobId(_safe(run_id), "torchrun run id")
     return agree_in_process_group() or JobId(_fresh(), "process")
 
 

@@ -11,6 +11,7 @@ off the training loop.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -27,7 +28,9 @@ from shardcache.transport.base import Status, Transport
 from shardcache.usage.totals import ORIGINS  # where a delivered sample came from
 from shardcache.variants import VariantSpec
 
-__all__ = ["ChunkReader"]
+__all__ = ["ChunkReader", "origin_counts"]
+
+log = logging.getLogger("shardcache")
 
 PREFETCH_GROUP = 4  # chunks per store call while prefetching
 PREFETCH_DEPTH = 4  # store calls in flight per rank
@@ -38,6 +41,15 @@ TRANSIENT_KEPT = (
 # process's own, one mapping each (far below vm.max_map_count, 65,530).
 MAPS_KEPT = 4096
 SMALL_BATCH = 256  # up to this many samples a batch is counted in Python (_per_chunk)
+
+
+def origin_counts() -> dict[str, int]:
+    """Samples and bytes served per origin, all 0: ``stats()["served"]``'s keys.
+
+    >>> origin_counts()["source"], origin_counts()["local_bytes"]
+    (0, 0)
+    """
+    return {o: 0 for o in ORIGINS} | {f"{o}_bytes": 0 for o in ORIGINS}
 
 
 class ChunkReader:
@@ -70,6 +82,7 @@ class ChunkReader:
         self.variant: int | None = None  # the variant this epoch reads
         # Chunks served in their base form instead of the variant asked for.
         self._fallback: set[int] = set()
+        self._warned_fallback = False
         self.variant_counts = {"variant_samples": 0, "base_fallback": 0}
         self.verify_reads = verify_reads
         self.timeout_s, self.hold_bytes = timeout_s, hold_bytes
@@ -92,7 +105,7 @@ class ChunkReader:
         self._pending: dict[int, Future[None]] = {}
         self.saw_uncached = False  # the stores could not cache a chunk this generation
         self._background: ThreadPoolExecutor | None = None
-        self.counts = {o: 0 for o in ORIGINS} | {f"{o}_bytes": 0 for o in ORIGINS}
+        self.counts = origin_counts()
         # The reading this process's requests are for (``job:epoch``, set by
         # the session): a chunk another rank of the job had built from the
         # source in this epoch comes back FETCHED, so its rows here count as
@@ -288,7 +301,7 @@ class ChunkReader:
         checked = check_resolved(
             self.client, self.name, generation, self.digest,
             [items[j] for j in fresh], [results[j] for j in fresh],
-            self.verify_reads,
+            self.verify_reads, self.reads_for,
         )  # fmt: skip
         for j, res in zip(fresh, checked, strict=True):
             results[j] = res
@@ -314,6 +327,7 @@ class ChunkReader:
                 fallback = variant is not None and chunk.variant != variant
                 if fallback:
                     self._fallback.add(c)
+                    self._warn_fallback()
                 else:
                     self._fallback.discard(c)
                 # A chunk read from the source in this epoch counts as
@@ -348,6 +362,23 @@ class ChunkReader:
                     else:
                         self._keep_transient(c, chunk)
         return out
+
+    def _warn_fallback(self) -> None:
+        """Once per process: the stores served a chunk in its base form, as
+        the README says they do when their budget cannot hold the variant;
+        a run whose every epoch reads un-augmented should not learn it from
+        stats() alone."""
+        if self._warned_fallback:
+            return
+        self._warned_fallback = True
+        log.warning(
+            "shardcache: dataset %s: the stores' memory budget cannot hold this "
+            "epoch's augmented variant of some chunks; they are read in their base "
+            "form (counted in stats()['variants']['base_fallback']). Raise the "
+            "stores' budget (SHARDCACHE_CACHE_BYTES, the chart's cache.cacheBytes) "
+            "to read every sample augmented",
+            self.name,
+        )
 
     def _keep_transient(self, c: int, chunk: Chunk) -> None:
         """Keep a chunk from memory for the next few batches: ``TRANSIENT_KEPT``

@@ -20,6 +20,7 @@ from torch.utils.data import get_worker_info
 
 from shardcache import block_advice, delivery
 from shardcache.chunks import Chunk
+from shardcache.epoch_board import EpochBoard
 from shardcache.errors import (
     ConfigError,
     IndexUnavailable,
@@ -31,7 +32,7 @@ from shardcache.generations import Generations
 from shardcache.job import JobId
 from shardcache.keys import chunk_key
 from shardcache.manifest import Manifest
-from shardcache.reader import ChunkReader
+from shardcache.reader import ChunkReader, origin_counts
 from shardcache.sampler import ShardSampler
 from shardcache.spec import DatasetSpec
 from shardcache.usage import ORIGINS, UsageReader, UsageReporter
@@ -88,8 +89,10 @@ class RankSession:
         generations: Generations,
         client: Any,
         manifest: Manifest | None,
+        board: EpochBoard | None = None,
     ):
         self.pid = os.getpid()
+        self.board = board
         self.spec, self.job, self.rank = spec, job, rank
         self.sampler, self.generations = sampler, generations
         self.client, self.manifest = client, manifest
@@ -186,12 +189,26 @@ class RankSession:
         return self.reader
 
     def _reading(self) -> str:
-        """What this process's requests read for: ``job:epoch`` in a rank's
-        own process, "" in a DataLoader worker (a persistent one keeps the
-        sampler's epoch of its start, so it cannot say which epoch it reads)."""
+        """What this process's requests read for: ``job:epoch``; in a
+        DataLoader worker, what its rank's process posted (a persistent
+        worker keeps the sampler's epoch of its start, so its own copy
+        cannot say which epoch it reads). "" for a job id a later run may
+        carry too (``job=nightly`` run again: its epoch 0 would count the
+        chunks the last run built as source reads)."""
         if get_worker_info() is not None:
+            return "" if self.board is None else self.board.read()
+        if not self.job.one_launch:
             return ""
         return f"{self.job.id}:{self.sampler.epoch}"
+
+    def _follow_board(self, reader: ChunkReader) -> None:
+        """In a DataLoader worker, before each batch: a new reading posted
+        is a new epoch here too (a persistent worker lives through several)."""
+        reading = self._reading()
+        if reading != reader.reads_for:
+            if reader.reads_for:
+                reader.new_epoch()
+            reader.reads_for = reading
 
     def use_listing(self, manifest: Manifest, digest: str, stale: list[int]) -> None:
         """Read ``manifest`` from now on (a refresh): chunks built from changed
@@ -223,6 +240,8 @@ class RankSession:
         started = time.perf_counter()
         # 1. Attach: this process's reader (its first batch maps the listing).
         reader = self.attach()
+        if get_worker_info() is not None:
+            self._follow_board(reader)
         # 2. Locate: every sample index -> (chunk, row), vectorised.
         idx = np.asarray(indices, dtype=np.int64)
         chunk_ids, rows = reader.locate(idx)
@@ -435,6 +454,8 @@ class RankSession:
             self.cursor = 0
         self.epoch_batch = 0
         self.waits.reset()
+        if self.board is not None and self.is_current and get_worker_info() is None:
+            self.board.post(self._reading())  # for this process's workers
         if self.reader is not None and self.is_current:
             self.reader.new_epoch()
             self.reader.reads_for = self._reading()
@@ -528,7 +549,9 @@ class RankSession:
             "batches": self.waits.batches,
             "index_errors": self.index_errors,
             "held_bytes": reader.held_bytes if reader is not None else 0,
-            "served": dict(reader.counts) if reader is not None else {},
+            # Every origin from the start: 0 before the first batch (and in
+            # a rank whose DataLoader workers read), never a missing key.
+            "served": dict(reader.counts) if reader is not None else origin_counts(),
             "moved_on_resume": moved_on_resume,
             "suggested_shuffle_block": self.suggested_block,
             **self.waits.summary(),

@@ -23,6 +23,7 @@ from typing import Any
 from torch.utils.data import get_worker_info
 
 from shardcache.batches import read_elsewhere
+from shardcache.epoch_board import EpochBoard
 from shardcache.errors import ConfigError
 from shardcache.generations import Generations, layout_digest
 from shardcache.job import JobId, agree_in_process_group, warn_unshared
@@ -63,12 +64,15 @@ class SessionSlot:
         self.sampler = sampler
         self.rank, self.world_size = world
         self.epoch_started: int | None = None
+        # The reading this process's DataLoader workers read for (posted at
+        # each epoch start; epoch_board.py).
+        self.board = EpochBoard()
         sampler.bind(self.start_epoch, self.use_world)
         self.session = self._open(client, manifest)
 
     def _open(self, client: Any, manifest: Manifest | None) -> RankSession:
         parts = (self.spec, self.job, self.rank, self.sampler, self.generations)
-        return RankSession(*parts, client, manifest)
+        return RankSession(*parts, client, manifest, self.board)
 
     def __getstate__(self) -> dict[str, Any]:
         # Workers get the small description: never the mapped manifest,

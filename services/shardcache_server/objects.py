@@ -82,7 +82,9 @@ CREDENTIALS_HINT = (
     "The cache's stores list and read the source with storage_options= and the "
     "environment of their own Ray node, not the training script's AWS_* "
     "variables: pass key, secret (and endpoint_url) in storage_options, or set "
-    "them on the Ray nodes (the chart's s3 values)."
+    "them on the Ray nodes (the chart's s3 values). The embedded cache keeps "
+    "the environment of the script that started it: after setting AWS_* "
+    "variables, run `shardcache local stop` and start the script again."
 )
 _NO_CREDENTIALS = frozenset(
     {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}

@@ -14,6 +14,7 @@ import numpy as np
 
 from shardcache.decoders import decode_image, decode_image_chw, raw_bytes
 from shardcache.errors import ConfigError, PreprocessError
+from shardcache.packed_manifest import format_of
 
 __all__ = ["PREPROCESSORS", "describe", "get_preprocessor", "run_preprocess"]
 
@@ -59,24 +60,60 @@ def _to_array(
     return value if value.flags.c_contiguous else np.ascontiguousarray(value)
 
 
-def _pickle_hint(exc: Exception) -> str:
-    """numpy takes bytes without the ``.npy`` magic for a pickle and says so,
-    advising ``allow_pickle``; say what it really means.
+def _container_hint(url: str, label: str) -> str:
+    """A container file (tar, Parquet, HDF5, LMDB) listed by a prefix with a
+    ``preprocess=`` is one sample of raw bytes: say how to read the samples
+    inside, which is what a preprocess written for them expects.
 
-    >>> import io
-    >>> try:
-    ...     np.load(io.BytesIO(b"not an array"))
-    ... except ValueError as exc:
-    ...     print(_pickle_hint(exc).strip()[:43])
-    (the bytes are not a .npy array: numpy took
+    >>> print(_container_hint("s3://b/shards/a-0.tar", "preprocess").strip()[:45])
+    (this 'tar' file is read whole, as one sample
+    >>> _container_hint("s3://b/imgs/a.jpg", "preprocess")
+    ''
     """
-    if "allow_pickle" not in str(exc):
+    found = format_of([url]) if label == "preprocess" else None
+    if found is None:
         return ""
     return (
-        "\n(the bytes are not a .npy array: numpy took them for a pickle. "
-        "Nothing was unpickled, and allow_pickle=True would run whatever the "
-        "object holds: check the object, it is corrupt or not what it is named)"
+        f"\n(this {found!r} file is read whole, as one sample: a prefix lists "
+        f"files, not the samples inside. Pass format={found!r}, or name the "
+        f"files with a glob such as '.../*.{url.rsplit('.', 1)[-1]}', to read "
+        "its samples)"
     )
+
+
+def _pickle_hint(exc: Exception) -> str:
+    """numpy advises ``allow_pickle`` for two things: bytes without the
+    ``.npy`` magic (it takes them for a pickle) and a ``.npy`` of an object
+    array; say which it was, and that nothing was unpickled.
+
+    >>> import io
+    >>> for data in (b"not an array", io.BytesIO()):
+    ...     if not isinstance(data, bytes):
+    ...         np.save(data, np.array([[1], "a"], dtype=object))
+    ...         data = data.getvalue()
+    ...     try:
+    ...         np.load(io.BytesIO(data))
+    ...     except ValueError as exc:
+    ...         print(_pickle_hint(exc).strip()[:43])
+    (the bytes are not a .npy array: numpy took
+    (the .npy holds an object-dtype array, whic
+    """
+    text = str(exc)
+    if "Object arrays cannot be loaded" in text:
+        return (
+            "\n(the .npy holds an object-dtype array, which only pickle can "
+            "load, and nothing here unpickles: save it with a numeric dtype)"
+        )
+    # numpy 2: "This file contains pickled (object) data"; numpy 1: "Cannot
+    # load file containing pickled data when allow_pickle=False".
+    if "pickled" in text and "allow_pickle" in text:
+        return (
+            "\n(the bytes are not a .npy array: numpy took them for a pickle. "
+            "Nothing was unpickled, and allow_pickle=True would run whatever "
+            "the object holds: check the object, it is corrupt or not what it "
+            "is named)"
+        )
+    return ""
 
 
 def run_preprocess(
@@ -98,7 +135,8 @@ def run_preprocess(
     except Exception as exc:  # user code: any exception is the user's to see
         raise PreprocessError(
             f"{label} {getattr(fn, '__qualname__', fn)!r} raised {type(exc).__name__} "
-            f"for {url!r}: {exc}{_pickle_hint(exc)}. Its row is kept as failed "
+            f"for {url!r}: {exc}{_pickle_hint(exc)}{_container_hint(url, label)}. "
+            "Its row is kept as failed "
             "until the object changes; fix the object or the preprocess (a new "
             "preprocess is a new generation), or pass on_error='skip'."
         ) from exc

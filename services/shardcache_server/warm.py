@@ -13,7 +13,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES, SOURCED
+from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
 from shardcache.config import ClientConfig
 from shardcache.decoders import as_arrays, raw_bytes
 from shardcache.embedded import attach_ray, local_redis_url
@@ -207,17 +207,25 @@ def warm_dataset(
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
             group = pending.pop(done[0])
-            for c, res in zip(group, ray.get(done[0]), strict=True):
+            answers = ray.get(done[0])
+            # A partial rebuild read only its changed members, the rest
+            # copied from the chunk held: asked of the stores now, while the
+            # chunks are held (a count each, never the chunks).
+            built = [
+                items[c][0]
+                for c, r in zip(group, answers, strict=True)
+                if r[0] == Status.FETCHED
+            ]
+            read = _rows_read(handles, name, generation, built)
+            for c, res in zip(group, answers, strict=True):
                 n = int(sizes[c])
                 if res[0] == Status.ERROR:
                     counts["errors"] += n
                     first_error = first_error or (res[1], res[2])
                 elif res[0] == Status.FETCHED:
-                    # A partial rebuild read only its changed members: the
-                    # rows it copied from the chunk held were cached already.
-                    read = _rows_read(res[1], n)
-                    counts["fetched"] += read
-                    counts["already_cached"] += n - read
+                    fetched = read.get(items[c][0], n)
+                    counts["fetched"] += fetched
+                    counts["already_cached"] += n - fetched
                 elif res[0] == Status.UNCACHED:  # read, then not held
                     counts["not_kept"] += n
                 else:
@@ -274,14 +282,24 @@ def warm_dataset(
 FETCH_ERROR_WAIT_S = 3.0  # a store records a failure just before it answers
 
 
-def _rows_read(ref: Any, rows: int) -> int:
-    """How many of a built chunk's ``rows`` were read from the source: all,
-    unless its ``__sourced__`` column (a partial rebuild) says fewer. The
-    columns are mapped from the object store, not copied."""
+def _rows_read(
+    handles: dict[str, Any], name: str, generation: int, chunks: list[str]
+) -> dict[str, int]:
+    """Rows each of ``chunks`` read from the source, from the stores that
+    hold them (one call per store); a chunk no store holds (evicted, or its
+    store gone) is missing, and its caller counts all its rows."""
     import ray
 
-    sourced = ray.get(ref).get(SOURCED)
-    return rows if sourced is None else int(np.count_nonzero(sourced))
+    if not chunks:
+        return {}
+    out: dict[str, int] = {}
+    calls = [h.rows_read.remote(name, generation, chunks) for h in handles.values()]
+    for call in calls:
+        try:
+            out.update(ray.get(call, timeout=60))
+        except (ray.exceptions.RayError, TimeoutError):
+            continue  # the summary counts the chunk's every row
+    return out
 
 
 def _first_fetch_error(

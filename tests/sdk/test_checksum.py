@@ -33,7 +33,7 @@ class _Client:
         self.dropped.append((name, generation, chunk, version))
         return True
 
-    def resolve(self, name, generation, items, digest):
+    def resolve(self, name, generation, items, digest, reader=""):
         self.resolved.append([chunk for chunk, _, _ in items])
         return [("fetched", self.rebuilt) for _ in items]
 

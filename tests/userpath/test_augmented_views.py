@@ -118,6 +118,9 @@ def _record(user, s3, tag: str, env: dict[str, str] | None = None) -> tuple:
     records = [
         json.loads((user.workdir / f"views-{r}.json").read_text()) for r in (0, 1)
     ]
+    warned = done.stderr.count("cannot hold this epoch's augmented variant")
+    # Said once per rank that read a base form instead, never otherwise.
+    assert warned == sum(bool(r["stats"]["base_fallback"]) for r in records)
     calls = [
         tuple(line.split())
         for line in (log.read_text() if log.exists() else "").splitlines()

@@ -126,6 +126,32 @@ with open(f"{out}.{ds.rank}.json", "w") as f:
 """
 
 
+WORKERS_STRAGGLER = """
+import io, json, sys, time
+import numpy as np
+import torch
+from shardcache import DistributedCachedDataset
+
+def load_npy(data):
+    return np.load(io.BytesIO(data))
+
+if __name__ == "__main__":
+    url, options = sys.argv[1], json.loads(sys.argv[2])
+    ds = DistributedCachedDataset(url, preprocess=load_npy, storage_options=options)
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=4, sampler=ds.sampler, num_workers=2,
+        multiprocessing_context="spawn", persistent_workers=True)
+    n = 0
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        if ds.rank == 1 and epoch == 0:
+            time.sleep(5)  # a slow rank: rank 0's workers build the chunk
+        n += sum(len(batch) for batch in loader)
+    # This process read nothing (its workers did): every origin, at 0.
+    print(json.dumps({"delivered": n, "here": ds.stats()["served"]["source"]}))
+"""
+
+
 def _put(fs, bucket: str, i: int, value: int) -> None:
     buf = __import__("io").BytesIO()
     np.save(buf, np.array([value, i], np.int64))
@@ -174,8 +200,8 @@ def _job_rows(text: str) -> set[str]:
     return set(re.findall(r'shardcache_job_samples_total\{[^}]*job="([^"]+)"', text))
 
 
-def _run_job(user, script, url, options, out):
-    done = user.torchrun(script, url, json.dumps(options), str(out))
+def _run_job(user, script, url, options, out, env=None):
+    done = user.torchrun(script, url, json.dumps(options), str(out), env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads(Path(f"{out}.{r}.json").read_text()) for r in (0, 1)]
 
@@ -438,3 +464,49 @@ def test_a_chunk_split_between_ranks_counts_its_reads_once_for_its_job(
     assert s3.total_gets == 0
     assert [(r["misses"], r["hits"]) for r in second] == [(0, 16), (0, 16)]
     assert second[0]["job"] != first[0]["job"]
+
+
+def test_a_job_name_given_to_every_run_never_counts_the_last_runs_reads(
+    user, s3, s3fs_client, bucket
+):
+    """``SHARDCACHE_JOB=nightly`` on every run: the second run's epoch 0
+    reads the chunk the first run built, and counts hits. A name a later run
+    may carry too names no reading, so a rank reading after another's build
+    counts hits, as the docs say (rank 1: 0 misses in the first run)."""
+    for i in range(16):
+        _put(s3fs_client, bucket, i, i)
+    url, options = f"s3://{bucket}/train/", s3.storage_options()
+    script = user.write("straggler.py", STRAGGLER)
+    named = {"SHARDCACHE_JOB": f"nightly-{bucket}"}
+
+    first = _run_job(user, script, url, options, user.workdir / "a", env=named)
+    assert s3.total_gets == 16 and first[0]["job"] == named["SHARDCACHE_JOB"]
+    assert [r["misses"] for r in first] == [8, 0]
+    second = _run_job(user, script, url, options, user.workdir / "b", env=named)
+    assert s3.total_gets == 16
+    assert [(r["misses"], r["hits"]) for r in second] == [(0, 16), (0, 16)]
+
+
+def test_dataloader_workers_count_each_source_read_once_over_persistent_epochs(
+    user, s3, s3fs_client, bucket
+):
+    """The README's spawned workers, persistent, on a slow rank: the workers
+    of rank 1 read their half of the chunk rank 0's workers built, in the
+    same epoch (source reads), then a second epoch from the cache (hits,
+    though a persistent worker's own sampler still says epoch 0)."""
+    for i in range(16):
+        _put(s3fs_client, bucket, i, i)
+    url, options = f"s3://{bucket}/train/", s3.storage_options()
+    script = user.write("workers_straggler.py", WORKERS_STRAGGLER)
+    done = user.torchrun(script, url, json.dumps(options))
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert _lines(done) == [{"delivered": 16, "here": 0}] * 2  # 8 an epoch
+    assert s3.total_gets == 16
+    time.sleep(1.0)  # one flush interval after the script's exit
+    metrics = _metrics(user, _redis_url(user.home))
+    name = default_name(url)
+    served = {
+        o: _metric(metrics, "shardcache_samples_total", dataset=name, origin=o)
+        for o in ("local", "peer", "source")
+    }
+    assert served == {"local": 16, "peer": 0, "source": 16}

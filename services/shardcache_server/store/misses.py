@@ -107,10 +107,12 @@ class MissResolver:
 
         ``reader`` (``job:epoch`` or ""): the reading this request is for. A
         build is recorded for the reading that started it; another reading
-        that joins it is answered ``HIT``, since its job made no read (two
-        jobs asking at once both counted the one GET before)."""
+        that joins it is answered ``HIT`` (``REMOTE_HIT`` where another
+        node's store built it), since its job made no read (two jobs asking
+        at once both counted the one GET before)."""
         loop = asyncio.get_running_loop()
-        waiting: list[tuple[asyncio.Future[Result], bool]] = []
+        # Each item's future, and its key if it joined another reading's build.
+        waiting: list[tuple[asyncio.Future[Result], Key | None]] = []
         to_load: list[Item] = []
         for url, etag, size in items:
             key = (ds.name, generation, url, etag)
@@ -124,7 +126,7 @@ class MissResolver:
             else:
                 builder = self._readers.get(key, "")
                 joined_other = bool(reader and builder) and builder != reader
-            waiting.append((fut, joined_other))
+            waiting.append((fut, key if joined_other else None))
         if to_load:
             loop.create_task(
                 self.resolve(
@@ -132,10 +134,13 @@ class MissResolver:
                 )
             )
         out = []
-        for fut, joined_other in waiting:
+        for fut, joined in waiting:
             res = await asyncio.shield(fut)
-            if joined_other and res[0] == Status.FETCHED:
-                res = (Status.HIT, res[1])
+            if joined is not None and res[0] == Status.FETCHED:
+                # Held here, or by the owner store the build was asked of.
+                _, _, url, etag = joined
+                held = self._table.hit(ds.name, url, etag, generation) is not None
+                res = (Status.HIT if held else Status.REMOTE_HIT, res[1])
             out.append(res)
         return out
 
@@ -246,6 +251,7 @@ class MissResolver:
                 ds.manifest.row_hashes(lo, hi).copy(),
                 failed_rows(report["errors"]),
                 reader,
+                report["sourced_rows"],
             ),
             ds.manifest.chunk_source_bytes(index),
         )
@@ -434,7 +440,10 @@ class MissResolver:
             source=ds.source,
             span=await self._manifests.kept_for_build(ds, version),
         )
-        return await self._build(req)
+        ref, report = await self._build(req)
+        # Rows read from the source: all but those copied from held chunks.
+        report["sourced_rows"] = (hi - lo) - (0 if reuse is None else len(reuse))
+        return ref, report
 
     def _held_rows(
         self, ds: Dataset, generation: int, index: int, lo: int, hi: int

@@ -505,6 +505,23 @@ class CacheShard:
             self._stats.add(counts, "disk_files")
         return rest
 
+    async def rows_read(
+        self, dataset: str, generation: int, chunks: list[str]
+    ) -> dict[str, int]:
+        """Of ``chunks`` held here, how many rows their builds read from the
+        source (a partial rebuild reads only its changed members): what
+        ``shardcache warm`` reports as fetched."""
+        out = {}
+        for chunk in chunks:
+            cached = self._table.get(dataset, chunk)
+            if (
+                cached is not None
+                and cached.generation == generation
+                and cached.sourced_rows is not None
+            ):
+                out[chunk] = cached.sourced_rows
+        return out
+
     async def drop(self, dataset: str, urls: list[str] | None = None) -> int:
         """Forget cached values of a dataset (all, or only ``urls``)."""
         victims = [

@@ -47,6 +47,7 @@ class Cached:
     # the job's ranks counts its rows of the chunk as source reads once (a
     # chunk split between ranks is one build; see docs/metrics.md).
     built_for: str = ""
+    sourced_rows: int | None = None  # rows its build read from the source
 
     def failure_fields(self) -> dict[str, Any]:
         """What the chunk's index entry says of its failed rows ({} if none)."""

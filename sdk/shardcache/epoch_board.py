@@ -1,0 +1,151 @@
+"""Where a rank's process posts the reading (``job:epoch``) its DataLoader
+workers read for.
+
+A worker's copy of the dataset cannot say which epoch it serves: a
+persistent worker keeps the sampler it was started with, whose epoch the
+loop's ``set_epoch`` never reaches. Yet its requests must name the epoch,
+so that the store can tell a chunk another rank built in this epoch (a
+source read for this job) from one built before (a hit; see
+docs/metrics.md). So the rank's process writes its reading to a small file
+at each epoch start, and every worker reads it before each batch: a stat
+(~2 us) and, when the file changed, a read. The file lives on tmpfs where
+there is one (``/dev/shm``), is created with a random name readable by its
+owner only, and is removed when the process that made it exits.
+
+>>> board = EpochBoard()
+>>> board.read()
+''
+>>> board.post("job1:0"); board.read()
+'job1:0'
+>>> import pickle
+>>> copy = pickle.loads(pickle.dumps(board))  # a spawned worker's copy
+>>> board.post("job1:1"); copy.read()
+'job1:1'
+>>> board.close(); copy.read()
+''
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import tempfile
+from typing import Any
+
+__all__ = ["EpochBoard"]
+
+log = logging.getLogger("shardcache")
+
+_TMPFS = "/dev/shm"
+
+
+class EpochBoard:
+    """One process's posted reading, and its workers' view of it."""
+
+    def __init__(self) -> None:
+        self.path = ""  # made by the first post
+        self._owner = os.getpid()
+        self._posts = True  # this object, not a worker's copy of it
+        self._warned = False
+        self._seen = (-1, -1, -1)  # (inode, mtime_ns, size) last read
+        self._value = ""
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A worker pickled before the first post must still know the file.
+        if self._is_owner and not self.path:
+            self._make()
+        return {"path": self.path, "_owner": self._owner}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+        self.path, self._owner = state["path"], state["_owner"]
+        self._posts = False
+
+    @property
+    def _is_owner(self) -> bool:
+        # A forked worker inherits the object itself: its pid tells it apart.
+        return self._posts and os.getpid() == self._owner
+
+    def post(self, reading: str) -> None:
+        """Post ``reading`` for this process's workers. Written to a new file
+        renamed over the old one, so a worker reads one whole value or the
+        other. A copy made elsewhere (a dataset built by a Ray Train driver
+        and sent to its workers) starts a file of its own."""
+        if not self._is_owner:
+            self.path, self._owner, self._posts, self._value = "", os.getpid(), True, ""
+        if reading == self._value:
+            return
+        if not self.path and not self._make():
+            return
+        staged = ""
+        try:
+            fd, staged = tempfile.mkstemp(
+                prefix="shardcache-epoch-", dir=os.path.dirname(self.path)
+            )
+            with os.fdopen(fd, "w") as f:
+                f.write(reading)
+            os.replace(staged, self.path)
+        except OSError as exc:
+            # A full or read-only tmpfs must not stop set_epoch: the workers
+            # then read without a reading (counted as before, docs/metrics.md).
+            self._unwritable(exc)
+            if staged:
+                try:
+                    os.unlink(staged)
+                except OSError:
+                    pass
+            return
+        self._value = reading
+
+    def _make(self) -> bool:
+        """Create the (empty) file; False where no folder takes it."""
+        folder = _TMPFS if os.access(_TMPFS, os.W_OK) else tempfile.gettempdir()
+        try:
+            fd, self.path = tempfile.mkstemp(prefix="shardcache-epoch-", dir=folder)
+        except OSError as exc:
+            self._unwritable(exc)
+            return False
+        os.close(fd)
+        atexit.register(self.close)
+        return True
+
+    def _unwritable(self, exc: OSError) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "shardcache: cannot post the epoch for DataLoader workers (%s); "
+                "their source counts are per process (docs/metrics.md)",
+                exc,
+            )
+
+    def read(self) -> str:
+        """The reading posted last, "" if none (or its process is gone)."""
+        if self._is_owner:
+            return self._value
+        if not self.path:
+            return ""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            self._seen, self._value = (-1, -1, -1), ""
+            return ""
+        seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if seen != self._seen:
+            try:
+                with open(self.path) as f:
+                    self._value = f.read()
+            except OSError:
+                self._value = ""
+            self._seen = seen
+        return self._value
+
+    def close(self) -> None:
+        """Remove the file (its owner only)."""
+        if not self._is_owner or not self.path:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        self.path, self._value = "", ""
