@@ -204,7 +204,7 @@ class RankSession:
     def _follow_board(self, reader: ChunkReader) -> None:
         """In a DataLoader worker, before each batch: a new reading posted
         is a new epoch here too (a persistent worker lives through several)."""
-        reading = self._reading()
+        reading = "" if self.board is None else self.board.read()
         if reading != reader.reads_for:
             if reader.reads_for:
                 reader.new_epoch()
@@ -454,11 +454,14 @@ class RankSession:
             self.cursor = 0
         self.epoch_batch = 0
         self.waits.reset()
-        if self.board is not None and self.is_current and get_worker_info() is None:
-            self.board.post(self._reading())  # for this process's workers
-        if self.reader is not None and self.is_current:
+        if not self.is_current:
+            return
+        reading = self._reading()
+        if self.board is not None and get_worker_info() is None:
+            self.board.post(reading)  # for this process's workers
+        if self.reader is not None:
             self.reader.new_epoch()
-            self.reader.reads_for = self._reading()
+            self.reader.reads_for = reading
 
     def _advise_block(self) -> None:
         """After a warm epoch under a full shuffle that rebuilt many evicted
