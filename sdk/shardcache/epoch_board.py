@@ -10,7 +10,10 @@ docs/metrics.md). So the rank's process writes its reading to a small file
 at each epoch start, and every worker reads it before each batch: a stat
 (~2 us) and, when the file changed, a read. The file lives on tmpfs where
 there is one (``/dev/shm``), is created with a random name readable by its
-owner only, and is removed when the process that made it exits.
+owner only, and is removed when the process that made it exits. A process
+killed with SIGKILL cannot remove it, so the name carries its maker's pid
+and pid namespace, and the next board made in that namespace removes the
+files whose maker is gone (a few bytes each, but tmpfs is memory).
 
 >>> board = EpochBoard()
 >>> board.read()
@@ -30,6 +33,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import tempfile
 from typing import Any
 
@@ -38,6 +42,62 @@ __all__ = ["EpochBoard"]
 log = logging.getLogger("shardcache")
 
 _TMPFS = "/dev/shm"
+_PREFIX = "shardcache-epoch-"
+# "shardcache-epoch-{pid namespace}-{pid}-{random}": what a sweep may remove.
+_NAMED = re.compile(re.escape(_PREFIX) + r"(\d+)-(\d+)-")
+
+
+def _namespace() -> str:
+    """This process's pid namespace (its inode), "0" where it cannot be read.
+
+    Pods or containers may share one /dev/shm with pid namespaces of their
+    own; a pid is only meaningful within its namespace, so a sweep never
+    judges another namespace's files."""
+    try:
+        return os.readlink("/proc/self/ns/pid").strip("pid:[]") or "0"
+    except OSError:
+        return "0"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, as another user
+        return True
+    return True
+
+
+def _sweep(folder: str) -> int:
+    """Remove the boards (and half-written posts) in ``folder`` whose maker
+    is gone: same pid namespace, same owner, pid no longer running. Returns
+    how many were removed."""
+    space, uid, removed = _namespace(), os.getuid(), 0
+    if space == "0":
+        return 0  # no namespace to tell pids apart: judge nothing
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    for name in names:
+        match = _NAMED.match(name)
+        if match is None or match.group(1) != space:
+            continue
+        pid = int(match.group(2))
+        path = os.path.join(folder, name)
+        try:
+            if pid == os.getpid() or _alive(pid) or os.stat(path).st_uid != uid:
+                continue
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            continue  # removed meanwhile by another sweep, or not ours to remove
+    return removed
+
+
+def _prefix() -> str:
+    return f"{_PREFIX}{_namespace()}-{os.getpid()}-"
 
 
 class EpochBoard:
@@ -81,7 +141,7 @@ class EpochBoard:
         staged = ""
         try:
             fd, staged = tempfile.mkstemp(
-                prefix="shardcache-epoch-", dir=os.path.dirname(self.path)
+                prefix=_prefix(), dir=os.path.dirname(self.path)
             )
             with os.fdopen(fd, "w") as f:
                 f.write(reading)
@@ -101,8 +161,9 @@ class EpochBoard:
     def _make(self) -> bool:
         """Create the (empty) file; False where no folder takes it."""
         folder = _TMPFS if os.access(_TMPFS, os.W_OK) else tempfile.gettempdir()
+        _sweep(folder)
         try:
-            fd, self.path = tempfile.mkstemp(prefix="shardcache-epoch-", dir=folder)
+            fd, self.path = tempfile.mkstemp(prefix=_prefix(), dir=folder)
         except OSError as exc:
             self._unwritable(exc)
             return False
