@@ -7,7 +7,10 @@ read at random, as a shuffled epoch reads them), the ways a batch can be
 gathered into a reused output buffer:
 
 - ``per_row``: ``out[j] = column[row]`` for each row (what ``chunks.gather``
-  does, since a shuffled batch may touch as many chunks as it has rows);
+  did until 2026-12-02);
+- ``concat``: one view per row, then ``np.concatenate(views, out=out)``
+  (what ``chunks.gather`` does: per row, since a shuffled batch may touch
+  as many chunks as it has rows, but the copies in one C loop);
 - ``np_take``: ``np.take(column, rows, axis=0, out=out)``;
 - ``fancy``: ``out[...] = column[rows]`` (a temporary, then a copy);
 - ``torch_1t`` / ``torch_default``: ``torch.index_select`` into the output,
@@ -55,6 +58,10 @@ def main() -> None:
         for j, row in enumerate(picks[k].tolist()):
             out[j] = column[row]
 
+    def concat(k: int) -> None:
+        views = [column[row] for row in picks[k].tolist()]
+        np.concatenate(views, axis=0, out=out.reshape(-1))
+
     def np_take(k: int) -> None:
         np.take(column, picks[k], axis=0, out=out)
 
@@ -64,8 +71,8 @@ def main() -> None:
     def torch_1t(k: int) -> None:
         torch.index_select(column_t, 0, picks_t[k], out=out_t)
 
-    methods = [per_row, np_take, fancy, torch_1t, torch_1t]
-    names = ["per_row", "np_take", "fancy", "torch_1t", "torch_default"]
+    methods = [per_row, concat, np_take, fancy, torch_1t, torch_1t]
+    names = ["per_row", "concat", "np_take", "fancy", "torch_1t", "torch_default"]
     times: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(args.rounds):
         for name, method in zip(names, methods, strict=True):

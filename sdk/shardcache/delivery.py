@@ -63,16 +63,17 @@ def collate(
     url_of: Callable[[int], str],
 ) -> Any:
     """One batch as tensors: ``(B, ...)``, a dict of them, plus targets if any."""
-    in_batch = [chunks[c] for c in chunk_ids.tolist()]
-    row_list = rows.tolist()
+    ids, row_list = chunk_ids.tolist(), rows.tolist()
     if any(chunk.has_failures for chunk in chunks.values()):
-        raise_failed(in_batch, row_list, indices, url_of)
-    first = in_batch[0]
-    out = {f: _gather_field(in_batch, row_list, f, pin_memory) for f in first.fields}
+        raise_failed([chunks[c] for c in ids], row_list, indices, url_of)
+    first = chunks[ids[0]]
+    out = {f: _gather_field(chunks, ids, row_list, f, pin_memory) for f in first.fields}
     x = out[PLAIN_FIELD] if first.is_plain else out
     if first.targets is None:
         return x
-    targets = np.stack([c.targets[r] for c, r in zip(in_batch, row_list, strict=True)])
+    targets = np.stack(
+        [chunks[c].targets[r] for c, r in zip(ids, row_list, strict=True)]
+    )
     return x, torch.from_numpy(targets)
 
 
@@ -139,19 +140,23 @@ def sample(chunk: Chunk, row: int, index: int, url_of: Callable[[int], str]) -> 
 
 
 def _gather_field(
-    in_batch: list[Chunk], rows: list[int], field: str, pin_memory: bool
+    chunks: dict[int, Chunk],
+    ids: list[int],
+    rows: list[int],
+    field: str,
+    pin_memory: bool,
 ) -> torch.Tensor:
-    shape = (len(rows), *batch_shape(in_batch, rows, field))
-    dtype = in_batch[0].field(field, rows[0]).dtype
+    shape = (len(rows), *batch_shape(chunks, ids, rows, field))
+    dtype = chunks[ids[0]].field(field, rows[0]).dtype
     if pin_memory:
         torch_dtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
         pinned = torch.empty(shape, dtype=torch_dtype, pin_memory=True)
-        gather(in_batch, rows, field, pinned.numpy())
+        gather(chunks, ids, rows, field, pinned.numpy())
         return pinned
     # A batch's pages written again instead of faulted in and zeroed: only
     # once nothing (a step, a kept sample) views the buffer (buffers.py).
     out = BATCH_BUFFERS.take_array(shape, dtype)
-    gather(in_batch, rows, field, out)
+    gather(chunks, ids, rows, field, out)
     return torch.from_numpy(out)
 
 

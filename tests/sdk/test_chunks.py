@@ -29,12 +29,12 @@ def test_gather_equals_stacking_the_samples():
     chunks = [Chunk(build_chunk([rng.random(4) for _ in range(10)])) for _ in range(3)]
     picks = [(c, r) for c in range(3) for r in (0, 9, 5)]
     rng.shuffle(picks)
-    in_batch = [chunks[c] for c, _ in picks]
-    rows = [r for _, r in picks]
+    by_id = dict(enumerate(chunks))
+    ids, rows = [c for c, _ in picks], [r for _, r in picks]
     out = torch.empty(
-        (len(picks), *batch_shape(in_batch, rows, "_")), dtype=torch.float64
+        (len(picks), *batch_shape(by_id, ids, rows, "_")), dtype=torch.float64
     )
-    gather(in_batch, rows, "_", out.numpy())
+    gather(by_id, ids, rows, "_", out.numpy())
     expected = np.stack([chunks[c].sample(r) for c, r in picks])
     assert np.array_equal(out.numpy(), expected)
 
@@ -42,7 +42,7 @@ def test_gather_equals_stacking_the_samples():
 def test_batch_shape_of_ragged_samples_is_collate_error():
     chunk = Chunk(build_chunk([np.zeros(2), np.zeros(3)]))
     with pytest.raises(CollateError, match=r"\[2\] and \[3\]"):
-        batch_shape([chunk, chunk], [0, 1], "_")
+        batch_shape({7: chunk}, [7, 7], [0, 1], "_")
 
 
 def test_manifest_versions_change_only_for_the_changed_chunk():
@@ -56,7 +56,9 @@ def test_manifest_versions_change_only_for_the_changed_chunk():
     changed = np.flatnonzero(va != vb).tolist()
     assert changed == [int(layout.chunk_of(np.array([42]))[0])]
     lo, hi = layout.bounds(changed[0])
-    assert np.flatnonzero(b.row_hashes(lo, hi) != a.row_hashes(lo, hi)).tolist() == [42 - lo]
+    assert np.flatnonzero(b.row_hashes(lo, hi) != a.row_hashes(lo, hi)).tolist() == [
+        42 - lo
+    ]
     assert a.digest != b.digest
 
 
@@ -64,3 +66,39 @@ def test_manifest_round_trips_through_its_object_form():
     m = Manifest.from_entries("file", ["/d/é", "/d/b"], [1, 2], ["x", "y"])
     back = Manifest.from_object(m.to_object())
     assert back.urls() == ["/d/é", "/d/b"] and back.digest == m.digest
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda i: np.float32(i),  # scalar rows: a (B,) batch
+        lambda i: np.full((0, 3), i),  # an empty first axis
+        lambda i: np.full((2, 3), i, dtype=np.int16),
+    ],
+    ids=["scalar", "empty", "2d"],
+)
+def test_gather_of_any_row_shape_equals_stacking(make):
+    chunks = {
+        c: Chunk(build_chunk([make(10 * c + r) for r in range(4)])) for c in (0, 1)
+    }
+    ids, rows = [1, 0, 1, 0], [3, 0, 0, 2]
+    shape = batch_shape(chunks, ids, rows, "_")
+    out = np.empty((4, *shape), dtype=chunks[0].field("_", 0).dtype)
+    gather(chunks, ids, rows, "_", out)
+    expected = np.stack([chunks[c].sample(r) for c, r in zip(ids, rows, strict=True)])
+    assert np.array_equal(out, expected)
+
+
+def test_gather_reads_a_ragged_chunks_rows_of_the_batchs_shape():
+    """A chunk of mixed shapes is not stacked; its rows of the batch's shape
+    gather beside a stacked chunk's."""
+    ragged = Chunk(build_chunk([np.full(2, 1.0), np.full(3, 2.0), np.full(2, 3.0)]))
+    stacked = Chunk(build_chunk([np.full(2, 4.0), np.full(2, 5.0)]))
+    chunks = {0: ragged, 1: stacked}
+    assert ragged.stacked.get("_") is None and stacked.stacked.get("_") is not None
+    ids, rows = [0, 1, 0], [2, 1, 0]
+    out = np.empty((3, *batch_shape(chunks, ids, rows, "_")))
+    gather(chunks, ids, rows, "_", out)
+    assert out.tolist() == [[3.0, 3.0], [5.0, 5.0], [1.0, 1.0]]
+    with pytest.raises(CollateError):
+        batch_shape(chunks, [0, 0], [0, 1], "_")
