@@ -27,13 +27,16 @@ from collections.abc import Sequence
 import numpy as np
 
 from shardcache.decoders import npy_data_offset, npy_layout
+from shardcache_server.objects import local_changed
 
 __all__ = ["read_npy_column"]
 
 HEAD = 128  # np.save pads headers to a multiple of 64: most fit in one read
 
 
-def _layout(fd: int, size: int) -> tuple[int, tuple[tuple[int, ...], str, np.dtype]] | None:
+def _layout(
+    fd: int, size: int
+) -> tuple[int, tuple[tuple[int, ...], str, np.dtype]] | None:
     """``(data offset, layout)`` of the file behind ``fd``, or ``None``."""
     head = os.pread(fd, min(HEAD, size), 0)
     end = npy_data_offset(head)
@@ -49,12 +52,12 @@ def read_npy_column(members: Sequence[tuple[str, str, int]]) -> np.ndarray | Non
     """Rows of one C-ordered column read from local ``.npy`` files, or ``None``.
 
     ``members`` are ``(url, etag, size)`` as the manifest lists them; a
-    file whose size differs from the listing's is not read here (the
-    general path reports it as changed).
+    file whose size or version differs from the listing's is not read here
+    (the general path reports it as changed).
     """
     column: np.ndarray | None = None
     expected = None
-    for row, (url, _etag, size) in enumerate(members):
+    for row, (url, etag, size) in enumerate(members):
         try:
             fd = os.open(url.split("://", 1)[-1], os.O_RDONLY)
         except OSError:
@@ -75,8 +78,13 @@ def read_npy_column(members: Sequence[tuple[str, str, int]]) -> np.ndarray | Non
             elif layout != expected:
                 return None
             target = memoryview(column[row]).cast("B")
-            if end + target.nbytes != size or os.preadv(fd, [target], end) != target.nbytes:
+            if (
+                end + target.nbytes != size
+                or os.preadv(fd, [target], end) != target.nbytes
+            ):
                 return None
+            if local_changed(url, etag, os.fstat(fd)) is not None:
+                return None  # rewritten since the listing: the general path says so
         finally:
             os.close(fd)
     return column
@@ -106,4 +114,6 @@ if __name__ == "__main__":  # pragma: no cover - a measurement, run by hand
                     np.stack(rows)
                 else:
                     build(files)
-            print(f"{name}: {(time.perf_counter() - started) / 20 * 1000:.1f} ms per chunk")
+            print(
+                f"{name}: {(time.perf_counter() - started) / 20 * 1000:.1f} ms per chunk"
+            )

@@ -28,6 +28,7 @@ from shardcache.errors import (
     EmptyDatasetError,
     RemoteFetchError,
     SourceNotFound,
+    StaleVersionError,
 )
 from shardcache.manifest import Manifest, ManifestWriter
 from shardcache.source import open_remote
@@ -40,6 +41,8 @@ __all__ = [
     "Accept",
     "list_prefixes",
     "list_source",
+    "local_changed",
+    "local_version",
 ]
 
 _GLOB_CHARS = "*?["
@@ -159,13 +162,56 @@ def _scan(path: str) -> list[bytes]:
     return level
 
 
+def local_version(st: os.stat_result) -> str:
+    """A local file's version: ``str(st_mtime)``, as fsspec's ``info()`` gives
+    it (``_version_of``). Not ctime, which a rewrite cannot keep: Kubernetes
+    sets a volume's group on every file at each mount (``fsGroup``), which
+    moves every ctime and would re-read a whole dataset per pod."""
+    return str(st.st_mtime)
+
+
+_MTIME_VERSION = re.compile(r"^\d+(\.\d+)?(e[+-]?\d+)?$")
+
+
+def local_changed(
+    url: str, etag: str, st: os.stat_result | None
+) -> StaleVersionError | None:
+    """The error for a local file read that is not the listed version, if so.
+
+    ``st``: the file's status taken *after* its bytes were read (``None``:
+    gone). A file rewritten in place with the same size passes a size check
+    and has no checksum to compare: a README trial (2026-12-02) saw a job
+    deliver the new bytes under its old listing, silently. A write that began
+    before the stat has already moved the mtime (opening for writing
+    truncates), so the bytes are the listed version's whenever it matches.
+    A rewrite that keeps the mtime (``cp -p``, ``rsync -t``) is not seen
+    (README, "Local files").
+
+    >>> import tempfile
+    >>> with tempfile.NamedTemporaryFile() as f:
+    ...     st = os.stat(f.name)
+    ...     local_changed("file://x", local_version(st), st) is None
+    ...     print(local_changed("file://x", "1.5", st))
+    True
+    object 'file://x' changed since it was listed (version 1.5 -> ...
+    """
+    if not _MTIME_VERSION.match(etag):
+        return None  # not a version this lister gave (a packed unit's, a fallback)
+    now = "(removed)" if st is None else local_version(st)
+    if now == etag:
+        return None
+    return StaleVersionError(
+        f"object {url!r} changed since it was listed (version {etag} -> {now}). "
+        "Call DistributedCachedDataset.refresh() on every rank, or start a new "
+        "job (it lists the source again), to read the new version."
+    )
+
+
 def _add_local(out: ManifestWriter, path: str, accept: Accept) -> None:
     if not accept(path):
         return
     st = os.stat(path)
-    # The version is str(st_mtime), as fsspec's info() gives it: fetch.py
-    # compares a read file's version the same way.
-    out.add_bytes(os.fsencode(path), st.st_size, str(st.st_mtime).encode())
+    out.add_bytes(os.fsencode(path), st.st_size, local_version(st).encode())
 
 
 def _walk_local(path: str, out: ManifestWriter, accept: Accept) -> None:

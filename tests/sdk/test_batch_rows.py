@@ -23,7 +23,9 @@ class _Gathered(Dataset):
 
 
 def test_batch_rows_collate_returns_the_gathered_batch_itself():
-    assert torch_collate.default_collate_fn_map[torch.Tensor] is batch_rows.collate_tensors
+    assert (
+        torch_collate.default_collate_fn_map[torch.Tensor] is batch_rows.collate_tensors
+    )
     batch = torch.arange(12.0).reshape(4, 3).clone()  # owns its memory, as a gather
     rows = batch_rows.as_rows(batch)
     assert default_collate(rows) is batch  # no second copy
@@ -37,7 +39,14 @@ def test_batch_rows_collate_returns_the_gathered_batch_itself():
 def test_batch_rows_anything_else_is_stacked_as_torch_does():
     batch = torch.arange(12.0).reshape(4, 3).clone()
     rows = batch_rows.as_rows(batch)
-    for other in (rows[::-1], rows[:3], rows[:2] + rows[:2], [r.clone() for r in rows]):
+    others = (
+        rows[::-1],
+        rows[:3],
+        rows[:2] + rows[:2],
+        [rows[0], rows[0], rows[2], rows[3]],  # views of the batch, not its rows
+        [r.clone() for r in rows],
+    )
+    for other in others:
         got = default_collate(other)
         assert torch.equal(got, torch.stack(other))
         assert got.data_ptr() != batch.data_ptr()  # a copy, never the batch
@@ -47,6 +56,18 @@ def test_batch_rows_anything_else_is_stacked_as_torch_does():
     got = default_collate(list(mine.unbind(0)))
     got.add_(1)
     assert torch.equal(mine, torch.zeros(4, 3))
+
+
+def test_batch_rows_an_older_batch_than_the_kept_ones_is_stacked():
+    """Rows of a batch made more than ROW_IDS_KEPT batches ago collate as
+    torch does (a copy, never a wrong batch)."""
+    old = torch.arange(6.0).reshape(3, 2).clone()
+    old_rows = batch_rows.as_rows(old)
+    newer = [torch.zeros(2, 2) for _ in range(batch_rows.ROW_IDS_KEPT)]
+    for batch in newer:
+        assert default_collate(batch_rows.as_rows(batch)) is batch
+    got = default_collate(old_rows)
+    assert got is not old and torch.equal(got, old)
 
 
 def test_batch_rows_readme_loader_in_process_and_in_workers():
