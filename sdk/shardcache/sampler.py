@@ -17,6 +17,7 @@ starts the dataset's epoch too (whichever of the two a trainer calls).
 
 from __future__ import annotations
 
+import logging
 import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -42,6 +43,8 @@ from shardcache.sharding import (
     validate_world,
 )
 from shardcache.world import LazyWorld, World
+
+log = logging.getLogger("shardcache")
 
 __all__ = [
     "SHUFFLE_MODES",
@@ -260,6 +263,8 @@ class ShardSampler(DistributedSampler[int]):
         # A resume pending for this very epoch keeps its position.
         resuming = epoch == self.epoch and self._skip > 0
         if epoch != self.epoch:
+            if self._skip:
+                self._warn_dropped_resume(epoch)
             self._skip = 0
             self._yielded = 0
         self.epoch = epoch
@@ -267,6 +272,23 @@ class ShardSampler(DistributedSampler[int]):
         self._audit.reset()
         if self._on_epoch is not None:
             self._on_epoch(epoch, resuming)
+
+    def _warn_dropped_resume(self, epoch: int) -> None:
+        """A loop that restarts at epoch 0 after ``load_state_dict`` drops the
+        resume: the resumed epoch is then read whole when the loop reaches it
+        (a README trial delivered 32 samples twice). Moving on from a resume
+        saved at its epoch's end is what a loop does, and says nothing."""
+        if epoch == self.epoch + 1 and self._skip >= len(self.order()):
+            return
+        log.warning(
+            "shardcache: set_epoch(%d) drops the resume loaded for epoch %d (%d "
+            "samples of it were delivered before the state was saved): that "
+            "epoch will be read from its start, those samples again. Start the "
+            "loop at the resumed epoch: for epoch in range(ds.sampler.epoch, epochs).",
+            epoch,
+            self.epoch,
+            self._skip,
+        )
 
     def audit(self, indices: np.ndarray) -> None:
         """Check a batch the dataset was asked for (see :mod:`shardcache.audit`).
