@@ -61,13 +61,27 @@ def collate(
     indices: np.ndarray,
     pin_memory: bool,
     url_of: Callable[[int], str],
+    name_objects: bool = True,
 ) -> Any:
-    """One batch as tensors: ``(B, ...)``, a dict of them, plus targets if any."""
+    """One batch as tensors: ``(B, ...)``, a dict of them, plus targets if any.
+
+    Raises:
+        CollateError: samples of the batch differ in shape (``name_objects``:
+            naming two of them and their objects).
+    """
     ids, row_list = chunk_ids.tolist(), rows.tolist()
     if any(chunk.has_failures for chunk in chunks.values()):
         raise_failed([chunks[c] for c in ids], row_list, indices, url_of)
     first = chunks[ids[0]]
-    out = {f: _gather_field(chunks, ids, row_list, f, pin_memory) for f in first.fields}
+    try:
+        out = {
+            f: _gather_field(chunks, ids, row_list, f, pin_memory) for f in first.fields
+        }
+    except errors.CollateError as exc:
+        if not name_objects:
+            raise
+        which = _two_shapes(chunks, ids, row_list, indices.tolist(), url_of)
+        raise errors.CollateError(f"{exc} {which}") from None
     x = out[PLAIN_FIELD] if first.is_plain else out
     if first.targets is None:
         return x
@@ -95,7 +109,7 @@ def samples(
     by one (:func:`sample`).
     """
     try:
-        gathered = collate(chunks, chunk_ids, rows, indices, False, url_of)
+        gathered = collate(chunks, chunk_ids, rows, indices, False, url_of, False)
     except errors.CollateError:
         # Shapes differ: each sample its own copy, marked so that DataLoader's
         # default collate raises CollateError, not torch's stack error.
@@ -158,6 +172,33 @@ def _gather_field(
     out = BATCH_BUFFERS.take_array(shape, dtype)
     gather(chunks, ids, rows, field, out)
     return torch.from_numpy(out)
+
+
+def _two_shapes(
+    chunks: dict[int, Chunk],
+    ids: list[int],
+    rows: list[int],
+    indices: list[int],
+    url_of: Callable[[int], str],
+) -> str:
+    """Which samples of a batch differ: the first one and the first of
+    another shape, by index and object (every field's shape, for dict samples)."""
+
+    def shape(j: int) -> Any:
+        value = chunks[ids[j]].sample(rows[j])
+        if isinstance(value, dict):
+            return {k: list(np.shape(v)) for k, v in value.items()}
+        return list(np.shape(value))
+
+    first = shape(0)
+    for j in range(1, len(ids)):
+        other = shape(j)
+        if other != first:
+            return (
+                f"Sample {indices[0]} ({url_of(indices[0])}) has shape {first}, "
+                f"sample {indices[j]} ({url_of(indices[j])}) {other}."
+            )
+    return ""
 
 
 def raise_failed(

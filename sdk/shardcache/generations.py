@@ -20,6 +20,7 @@ from shardcache.changes import describe_changes
 from shardcache.errors import (
     ConfigError,
     RemoteFetchError,
+    SourceNotFound,
     StaleVersionError,
 )
 from shardcache.fingerprint import log_new_generation
@@ -64,10 +65,19 @@ def open_listing(client: Any, spec: DatasetSpec, job: str) -> tuple[Manifest, st
         # Same type, so callers' handlers still match; the message adds the
         # opt-out a job with an immutable (or huge) source may want. Only
         # where the source failed: a cluster that cannot start is not helped.
-        raise type(exc)(
-            f"{exc} (a new job revalidates the listing of {spec.summary!r}; if "
-            "the cluster already holds it, revalidate='never' starts on it)"
-        ) from exc
+        if isinstance(exc, SourceNotFound):
+            # Most often a typo: the opt-out matters only for a source removed
+            # on purpose whose cache the cluster still holds.
+            hint = (
+                f"if {spec.summary!r} was removed on purpose and the cluster still "
+                "holds its cache, revalidate='never' reads that cache"
+            )
+        else:
+            hint = (
+                f"a new job revalidates the listing of {spec.summary!r}; if the "
+                "cluster already holds it, revalidate='never' starts on it"
+            )
+        raise type(exc)(f"{exc} ({hint})") from exc
     return client.map_manifest(ref), digest
 
 

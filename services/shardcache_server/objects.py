@@ -663,6 +663,14 @@ def list_source(
     else:
         manifest = _list_urls(fs, url_list, protocol, options, budget)
     if not len(manifest):
+        if protocol in ("file", "local") and isinstance(urls, str):
+            local = urls.split("://", 1)[-1]
+            if os.path.isdir(local):  # the hint below would point at nothing
+                raise EmptyDatasetError(
+                    f"source {urls!r}: the directory exists but holds no files "
+                    "(none in its subdirectories either). Check that the data "
+                    "was copied there on this node, or point at another folder."
+                )
         raise EmptyDatasetError(
             f"source {url_list[0]!r} lists no objects. Check the prefix or glob; "
             "a prefix must end with the directory name, e.g. s3://bucket/train/."

@@ -96,8 +96,11 @@ def test_loader_ragged_samples_are_collate_error_but_index_works(
     ds = _ds(s3, bucket, redis_url, namespace, prefix="r", shuffle=False)
     assert [len(ds[i]) for i in range(4)] == [1, 2, 3, 4]
     ds.set_epoch(0)
-    with pytest.raises(CollateError, match=r"shapes \[1\] and \[2\]"):
+    with pytest.raises(CollateError, match=r"shapes \[1\] and \[2\]") as err:
         next(iter(ds.loader(4)))
+    # ... and which samples, by object (a README trial could not tell).
+    assert f"Sample 0 (s3://{bucket}/r/0.bin) has shape [1], sample 1" in str(err.value)
+    assert f"(s3://{bucket}/r/1.bin) [2]." in str(err.value)
     ds.close()
 
 

@@ -108,8 +108,13 @@ def test_list_source_missing_prefix_is_not_found(s3, s3fs_client, bucket):
 
 
 def test_list_source_empty_local_dir_is_empty_dataset(tmp_path):
+    """The message says the folder is there and empty: the prefix hint of an
+    S3 listing would point at nothing (a README trial)."""
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(EmptyDatasetError, match="directory exists but holds no files"):
+        list_source(f"{tmp_path}/")
     with pytest.raises(EmptyDatasetError, match="lists no objects"):
-        list_source(str(tmp_path))
+        list_source(f"{tmp_path}/*.npy")
 
 
 def test_list_source_missing_object_in_list(s3, s3fs_client, bucket):
