@@ -153,6 +153,11 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4, help="this rank's shard is 1/W")
     ap.add_argument("--epochs", type=int, default=5, help="warm epochs timed")
     ap.add_argument(
+        "--dataloader", action="store_true",
+        help="time the README's DataLoader(ds, batch_size=B, sampler=ds.sampler) "
+        "instead of ds.loader(B)",
+    )  # fmt: skip
+    ap.add_argument(
         "--settle-s", type=float, default=0.0,
         help="seconds between the cold epoch and the timed ones",
     )  # fmt: skip
@@ -178,7 +183,12 @@ def main() -> None:
             world_size=args.world,
             seed=0,
         )
-        loader = ds.loader(args.batch, drop_last=True)
+        if args.dataloader:
+            loader = torch.utils.data.DataLoader(
+                ds, batch_size=args.batch, sampler=ds.sampler, drop_last=True
+            )
+        else:
+            loader = ds.loader(args.batch, drop_last=True)
         ds.set_epoch(0)
         for _ in loader:  # the cold epoch: builds and maps every chunk
             pass
@@ -222,7 +232,8 @@ def main() -> None:
     result = {
         "command": "bench/loader.py "
         f"--samples {args.samples} --sample-bytes {args.sample_bytes} "
-        f"--batch {args.batch} --world {args.world} --epochs {args.epochs}",
+        f"--batch {args.batch} --world {args.world} --epochs {args.epochs}"
+        + (" --dataloader" if args.dataloader else ""),
         "warm_batches": len(waits),
         "batch_bytes": batch_bytes,
         "loader_ms_p50": round(loader_ms, 4),
