@@ -220,13 +220,13 @@ def gather(
         ]
     else:
         views = [columns[c][r] for c, r in zip(chunk_ids, rows, strict=True)]
-    if out.ndim > 1 and out.shape[1] and out.flags.c_contiguous:
+    if out.ndim > 1 and out.size and out.flags.c_contiguous:
         # (B, d0, d1...) viewed as (B * d0, d1...): the rows end to end;
         # "unsafe" casts as a row assignment does (a row of another dtype).
         flat = out.reshape((-1, *out.shape[2:]))
         np.concatenate(views, axis=0, out=flat, casting="unsafe")
         return
-    for j, view in enumerate(views):  # scalar rows, or an empty first axis
+    for j, view in enumerate(views):  # scalar rows, or rows of no elements
         out[j] = view
 
 

@@ -263,7 +263,7 @@ class ShardSampler(DistributedSampler[int]):
         # A resume pending for this very epoch keeps its position.
         resuming = epoch == self.epoch and self._skip > 0
         if epoch != self.epoch:
-            if self._skip:
+            if epoch < self.epoch and (self._skip or self._resumed_here()):
                 self._warn_dropped_resume(epoch)
             self._skip = 0
             self._yielded = 0
@@ -273,21 +273,24 @@ class ShardSampler(DistributedSampler[int]):
         if self._on_epoch is not None:
             self._on_epoch(epoch, resuming)
 
+    def _resumed_here(self) -> bool:
+        """An elastic resume's plan for the current epoch is pending."""
+        return self._resumed is not None and self._resumed["epoch"] == self.epoch
+
     def _warn_dropped_resume(self, epoch: int) -> None:
-        """A loop that restarts at epoch 0 after ``load_state_dict`` drops the
-        resume: the resumed epoch is then read whole when the loop reaches it
-        (a README trial delivered 32 samples twice). Moving on from a resume
-        saved at its epoch's end is what a loop does, and says nothing."""
-        if epoch == self.epoch + 1 and self._skip >= len(self.order()):
-            return
+        """A loop that restarts at epoch 0 after a resume drops it: the resumed
+        epoch is then read whole when the loop reaches it again (a README trial
+        delivered 32 samples twice, nothing said). Only a move back warns: the
+        next epoch after a state saved at an epoch's end (its last batch
+        dropped or not) is what every loop does."""
         log.warning(
-            "shardcache: set_epoch(%d) drops the resume loaded for epoch %d (%d "
-            "samples of it were delivered before the state was saved): that "
-            "epoch will be read from its start, those samples again. Start the "
-            "loop at the resumed epoch: for epoch in range(ds.sampler.epoch, epochs).",
+            "shardcache: set_epoch(%d) after a resume loaded for epoch %d drops "
+            "it: epoch %d will be read from its start, the samples delivered "
+            "before the state was saved again. Start the loop at the resumed "
+            "epoch: for epoch in range(ds.sampler.epoch, epochs).",
             epoch,
             self.epoch,
-            self._skip,
+            self.epoch,
         )
 
     def audit(self, indices: np.ndarray) -> None:

@@ -73,9 +73,10 @@ def test_manifest_round_trips_through_its_object_form():
     [
         lambda i: np.float32(i),  # scalar rows: a (B,) batch
         lambda i: np.full((0, 3), i),  # an empty first axis
+        lambda i: np.full((3, 0), i),  # an empty last axis
         lambda i: np.full((2, 3), i, dtype=np.int16),
     ],
-    ids=["scalar", "empty", "2d"],
+    ids=["scalar", "empty", "empty-last", "2d"],
 )
 def test_gather_of_any_row_shape_equals_stacking(make):
     chunks = {
