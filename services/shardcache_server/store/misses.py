@@ -40,18 +40,12 @@ log = logging.getLogger(__name__)
 NEAR = (0, -1, 1, -2, 2)
 
 # Member failures the same version of an object gives every time it is read
-# (its bytes do not decode, it is gone, it was rewritten since this listing:
-# the listed version can no longer be read): a chunk whose only failures are
-# these is cached with them marked, so one changed object costs one read,
-# not its whole chunk's every epoch (a README trial: one object rewritten
-# mid-job re-read all 120 of its chunk each epoch, and the next job all 120
-# again, no earlier build being held to copy from). The next listing's build
-# copies the other rows and reads the changed one. A failure that may not
-# come back (a connection, a timeout, a GET throttled past its retries, a
-# body cut short) leaves the chunk uncached, to be read again next epoch.
-SETTLED_FAILURES = frozenset(
-    {"PreprocessError", "SourceFormatError", "SourceNotFound", "StaleVersionError"}
-)
+# (its bytes do not decode, it is gone): a chunk whose only failures are these
+# is cached with them marked. A failure that may not come back (a connection,
+# a timeout, a GET throttled past its retries, a body cut short) or that says
+# the object changed since the listing (the next listing reads it anew) leaves
+# the chunk uncached, to be read again next epoch.
+SETTLED_FAILURES = frozenset({"PreprocessError", "SourceFormatError", "SourceNotFound"})
 
 Key = tuple[str, int, str, str]  # (dataset, generation, chunk, version)
 
