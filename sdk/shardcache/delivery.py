@@ -81,7 +81,7 @@ def collate(
         if not name_objects:
             raise
         which = _two_shapes(chunks, ids, row_list, indices.tolist(), url_of)
-        raise errors.CollateError(f"{exc} {which}") from None
+        raise errors.CollateError(f"{exc} {which}".rstrip()) from None
     x = out[PLAIN_FIELD] if first.is_plain else out
     if first.targets is None:
         return x

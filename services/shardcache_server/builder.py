@@ -37,7 +37,7 @@ from shardcache_server.code_files import changed_modules
 from shardcache_server.columns import build_chunk, column_chunk
 from shardcache_server.fetch import Fetcher
 from shardcache_server.npy_rows import read_npy_column
-from shardcache_server.objects import local_changed
+from shardcache_server.objects import listed_here, local_changed
 from shardcache_server.packed_build import build_unit
 from shardcache_server.preprocess import run_preprocess
 from shardcache_server.settings import ServiceSettings
@@ -166,9 +166,13 @@ async def _fetch_all(
 LOCAL_PROTOCOLS = ("file", "local")  # read with plain file I/O, no event loop
 
 
-def _read_local(members: list[tuple[str, str, int]]) -> list[bytes | ShardCacheError]:
+def _read_local(
+    members: list[tuple[str, str, int]], check_versions: bool
+) -> list[bytes | ShardCacheError]:
     """Local files, read in this worker thread: a file costs an open and a read
-    (~10 us), where the async path would cost a thread hop per file."""
+    (~10 us), where the async path would cost a thread hop per file.
+    ``check_versions``: on the host that listed them, a file whose mtime is
+    not the listed one is a StaleVersionError (``objects.local_changed``)."""
     out: list[bytes | ShardCacheError] = []
     for url, etag, size in members:
         path = url.split("://", 1)[-1]
@@ -187,7 +191,7 @@ def _read_local(members: list[tuple[str, str, int]]) -> list[bytes | ShardCacheE
         except OSError as exc:
             out.append(RemoteFetchError(f"reading {url!r} failed: {exc}"))
             continue
-        stale = local_changed(url, etag, read_as)
+        stale = local_changed(url, etag, read_as) if check_versions else None
         if stale is not None:
             out.append(stale)
             continue
@@ -226,12 +230,13 @@ def build_members(
             req.span,
         )
     members = manifest.members(req.lo, req.hi)
+    check_versions = req.protocol in LOCAL_PROTOCOLS and listed_here(manifest.columns)
     if (
         req.protocol in LOCAL_PROTOCOLS
         and req.preprocess is decode_npy
         and not req.bases
     ):
-        column = read_npy_column(members)
+        column = read_npy_column(members, check_versions)
         if column is not None:  # else a member is unusual: the general path below
             built = column_chunk(
                 column, [m[0] for m in members], _targets(req, members)
@@ -242,7 +247,7 @@ def build_members(
     fetch_rows = [r for r in range(len(members)) if r not in reuse]
     to_read = [members[r] for r in fetch_rows]
     if req.protocol in LOCAL_PROTOCOLS:
-        fetched = _read_local(to_read)
+        fetched = _read_local(to_read, check_versions)
     else:
         fetcher = _fetcher(settings, req.protocol, req.storage_options)
         coro = _fetch_all(fetcher, to_read)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import hashlib
-import os
 import random
 import re
 from typing import Any
@@ -27,7 +26,6 @@ from shardcache_server.objects import (
     CREDENTIALS_HINT,
     _version_of,
     is_missing_credentials,
-    local_changed,
     no_credentials,
 )
 
@@ -38,7 +36,6 @@ _THROTTLE_SIGNS = ("SlowDown", "reduce your request rate", "503")  # as s3fs mat
 _SINGLE_GET_MAX_BYTES = 32 * 2**20  # larger objects use s3fs's concurrent ranged GETs
 _RANGES_IN_FLIGHT = 8  # ranged GETs of one unit at once (a unit asks for a few)
 _S3_PROTOCOLS = ("s3", "s3a")
-_LOCAL_PROTOCOLS = ("file", "local")
 _CLIENT_MODULES = ("botocore", "aiobotocore", "aiohttp")  # errors s3fs may pass on
 _RANGE_ATTEMPTS = 4  # GETs of one range before its unit fails (s3fs retries 5xx too)
 _RANGE_BACKOFF_S = 0.05  # first backoff of a ranged GET; doubles, full jitter
@@ -135,8 +132,6 @@ class Fetcher:
                         self._read(fs, path, size), self.timeout_s
                     )
                 self._check(url, data, size, etag)
-                if self.protocol in _LOCAL_PROTOCOLS:
-                    _raise_if_local_changed(path, url, etag)
                 return data
             except FileNotFoundError as exc:
                 raise SourceNotFound(
@@ -223,16 +218,6 @@ class Fetcher:
                     f"object {url!r} has MD5 {digest} but its ETag is {etag}: corrupted "
                     "in transit or changed upstream. Not cached."
                 )
-
-
-def _raise_if_local_changed(path: str, url: str, etag: str) -> None:
-    try:
-        st: os.stat_result | None = os.stat(path)
-    except FileNotFoundError:
-        st = None
-    stale = local_changed(url, etag, st)
-    if stale is not None:
-        raise stale
 
 
 def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -48,12 +48,14 @@ def _layout(
     return None if layout is None else (end, layout)
 
 
-def read_npy_column(members: Sequence[tuple[str, str, int]]) -> np.ndarray | None:
+def read_npy_column(
+    members: Sequence[tuple[str, str, int]], check_versions: bool = False
+) -> np.ndarray | None:
     """Rows of one C-ordered column read from local ``.npy`` files, or ``None``.
 
     ``members`` are ``(url, etag, size)`` as the manifest lists them; a
-    file whose size or version differs from the listing's is not read here
-    (the general path reports it as changed).
+    file whose size (or, ``check_versions``, mtime) differs from the
+    listing's is not read here (the general path reports it as changed).
     """
     column: np.ndarray | None = None
     expected = None
@@ -83,7 +85,7 @@ def read_npy_column(members: Sequence[tuple[str, str, int]]) -> np.ndarray | Non
                 or os.preadv(fd, [target], end) != target.nbytes
             ):
                 return None
-            if local_changed(url, etag, os.fstat(fd)) is not None:
+            if check_versions and local_changed(url, etag, os.fstat(fd)) is not None:
                 return None  # rewritten since the listing: the general path says so
         finally:
             os.close(fd)

@@ -23,6 +23,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 from shardcache.errors import (
     ConfigError,
     EmptyDatasetError,
@@ -41,6 +43,8 @@ __all__ = [
     "Accept",
     "list_prefixes",
     "list_source",
+    "LISTED_ON",
+    "listed_here",
     "local_changed",
     "local_version",
 ]
@@ -162,6 +166,20 @@ def _scan(path: str) -> list[bytes]:
     return level
 
 
+# The manifest column naming the host that listed it: a local file's version
+# (its mtime) is checked against the file only there. Another node's copy of
+# the same path may carry other mtimes (copied without -t) that are not
+# another version: its reads are checked by size, as before (a review).
+LISTED_ON = "listed_on"
+
+
+def listed_here(columns: Any) -> bool:
+    """Whether this host made the listing ``columns`` belong to (``False`` for a
+    listing made before the column existed: no version check, as then)."""
+    raw = columns.get(LISTED_ON)
+    return raw is not None and bytes(raw) == socket.gethostname().encode()
+
+
 def local_version(st: os.stat_result) -> str:
     """A local file's version: ``str(st_mtime)``, as fsspec's ``info()`` gives
     it (``_version_of``). Not ctime, which a rewrite cannot keep: Kubernetes
@@ -185,7 +203,8 @@ def local_changed(
     before the stat has already moved the mtime (opening for writing
     truncates), so the bytes are the listed version's whenever it matches.
     A rewrite that keeps the mtime (``cp -p``, ``rsync -t``) is not seen
-    (README, "Local files").
+    (README, "Local files"). Asked on the host that listed the file only
+    (``listed_here``).
 
     >>> import tempfile
     >>> with tempfile.NamedTemporaryFile() as f:
@@ -662,6 +681,7 @@ def list_source(
         manifest = Manifest.concat(protocol, parts)
     else:
         manifest = _list_urls(fs, url_list, protocol, options, budget)
+    manifest.columns[LISTED_ON] = np.frombuffer(socket.gethostname().encode(), np.uint8)
     if not len(manifest):
         if protocol in ("file", "local") and isinstance(urls, str):
             local = urls.split("://", 1)[-1]

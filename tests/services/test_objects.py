@@ -1,8 +1,16 @@
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import pytest
 
-from shardcache.errors import ConfigError, EmptyDatasetError, SourceNotFound
+from shardcache.errors import (
+    ConfigError,
+    EmptyDatasetError,
+    SourceNotFound,
+    StaleVersionError,
+)
 from shardcache_server.objects import list_source
 
 
@@ -129,3 +137,25 @@ def test_list_source_missing_object_in_list(s3, s3fs_client, bucket):
 def test_list_source_rejects_unsupported_or_traversal(url):
     with pytest.raises(ConfigError):
         list_source(url)
+
+
+def test_a_local_rewrite_is_stale_only_on_the_host_that_listed_it(tmp_path):
+    """Same size, new bytes, new mtime: stale where the listing was made. On
+    another host the same path may be a copy with its own mtimes (copied
+    without -t), which is no new version: checked by size only, as before."""
+    from shardcache_server.builder import _read_local
+    from shardcache_server.objects import LISTED_ON, listed_here
+
+    for i in range(2):
+        (tmp_path / f"{i}.bin").write_bytes(bytes([i]) * 8)
+    manifest = list_source(f"{tmp_path}/")
+    assert listed_here(manifest.columns)
+    members = manifest.members(0, 2)
+    (tmp_path / "1.bin").write_bytes(b"x" * 8)
+    os.utime(tmp_path / "1.bin", (1, 1))  # another mtime, whatever the clock
+    ok, stale = _read_local(members, check_versions=True)
+    assert ok == bytes([0]) * 8
+    assert isinstance(stale, StaleVersionError) and "1.bin" in str(stale)
+    assert _read_local(members, check_versions=False)[1] == b"x" * 8
+    manifest.columns[LISTED_ON] = np.frombuffer(b"another-host", np.uint8)
+    assert not listed_here(manifest.columns)
