@@ -39,11 +39,16 @@ def describe_changes(old: Any, new: Any) -> str:
     >>> c = Manifest.from_entries("s3", ["s3://b/1", "s3://b/2"], [1, 1], ["e2", "e3"])
     >>> describe_changes(a, c)
     '1 object added: s3://b/2; 1 object removed: s3://b/0; 1 object changed: s3://b/1'
+    >>> d = Manifest.from_entries("s3", ["s3://b/0", "s3://b/1"], [1, 2], ["e0", "e1"])
+    >>> describe_changes(a, d)  # the same version, another size
+    '1 object changed: s3://b/1'
     """
     if isinstance(old, PackedManifest) and isinstance(new, PackedManifest):
         return _named(new.changed_files(old), "changed")
-    before = {old.url(i): old.etag(i) for i in range(len(old))}
-    now = {new.url(i): new.etag(i) for i in range(len(new))}
+    # (version, size): a local file rewritten to another size with its mtime
+    # kept changes the listing by its size alone.
+    before = {old.url(i): (old.etag(i), old.size(i)) for i in range(len(old))}
+    now = {new.url(i): (new.etag(i), new.size(i)) for i in range(len(new))}
     kinds = (
         (sorted(now.keys() - before.keys()), "added"),
         (sorted(before.keys() - now.keys()), "removed"),
