@@ -10,21 +10,9 @@ from typing import Any
 
 from shardcache.packed_manifest import PackedManifest
 
-__all__ = ["changed_urls", "describe_changes"]
+__all__ = ["describe_changes"]
 
 NAMED = 5  # objects named in a message; the rest are counted
-
-
-def changed_urls(old: Any, new: Any) -> list[str]:
-    """URLs added, removed or rewritten (a packed source: files) since ``old``.
-
-    A Python pass over both listings: for error messages, never the hot path.
-    """
-    if isinstance(old, PackedManifest) and isinstance(new, PackedManifest):
-        return new.changed_files(old)
-    before = {old.url(i): old.etag(i) for i in range(len(old))}
-    now = {new.url(i): new.etag(i) for i in range(len(new))}
-    return sorted(u for u in before.keys() | now.keys() if before.get(u) != now.get(u))
 
 
 def describe_changes(old: Any, new: Any) -> str:

@@ -191,13 +191,10 @@ def local_version(st: os.stat_result) -> str:
 _MTIME_VERSION = re.compile(r"^\d+(\.\d+)?(e[+-]?\d+)?$")
 
 
-def local_changed(
-    url: str, etag: str, st: os.stat_result | None
-) -> StaleVersionError | None:
+def local_changed(url: str, etag: str, st: os.stat_result) -> StaleVersionError | None:
     """The error for a local file read that is not the listed version, if so.
 
-    ``st``: the file's status taken *after* its bytes were read (``None``:
-    gone). A file rewritten in place with the same size passes a size check
+    ``st``: the open file's status taken *after* its bytes were read. A file rewritten in place with the same size passes a size check
     and has no checksum to compare: a README trial (2026-12-02) saw a job
     deliver the new bytes under its old listing, silently. A write that began
     before the stat has already moved the mtime (opening for writing
@@ -216,7 +213,7 @@ def local_changed(
     """
     if not _MTIME_VERSION.match(etag):
         return None  # not a version this lister gave (a packed unit's, a fallback)
-    now = "(removed)" if st is None else local_version(st)
+    now = local_version(st)
     if now == etag:
         return None
     return StaleVersionError(

@@ -11,9 +11,9 @@ the new version.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
+
+from tests.userpath.test_jobs import _lines
 
 SCRIPT = """
 import json, sys
@@ -51,9 +51,7 @@ def test_a_local_file_rewritten_after_the_listing_is_never_served_as_listed(user
     _files(src, 40)
     script = user.write("local_rewrite.py", SCRIPT)
 
-    done = user.torchrun(script, f"{src}/", "rewrite")
-    assert done.returncode == 0, done.stderr[-4000:]
-    ranks = [json.loads(line) for line in done.stdout.splitlines() if line[:1] == "{"]
+    ranks = _lines(user.torchrun(script, f"{src}/", "rewrite"))
     assert len(ranks) == 2
     delivered = [v for r in ranks for v in r["values"]]
     assert 6005 not in delivered  # never the new bytes under the old listing
@@ -62,9 +60,7 @@ def test_a_local_file_rewritten_after_the_listing_is_never_served_as_listed(user
     assert "s0005.npy" in errors[0] and "changed since it was listed" in errors[0]
     assert "refresh()" in errors[0]
 
-    again = user.torchrun(script, f"{src}/", "read")  # a new job lists again
-    assert again.returncode == 0, again.stderr[-4000:]
-    ranks = [json.loads(line) for line in again.stdout.splitlines() if line[:1] == "{"]
+    ranks = _lines(user.torchrun(script, f"{src}/", "read"))  # a new job lists again
     assert [r["error"] for r in ranks] == [None, None]
     delivered = sorted(v for r in ranks for v in r["values"])
     assert delivered == sorted([*range(5), 6005, *range(6, 40)])
