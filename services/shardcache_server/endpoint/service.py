@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SHM_DIR = "/var/lib/shardcache/shm"  # the chart's medium: Memory emptyDir
 DEFAULT_SHM_BYTES = 4 * 2**30  # chunk files kept for the node's ranks
+# The fields a rank stamps on its usage hash: its report is final, or it is
+# alive with nothing to flush (the flusher's heartbeat).
+USAGE_STAMPS = ("ended", "ts")
 _USAGE_SHA = hashlib.sha1(APPLY_SCRIPT.encode()).hexdigest()
 
 Files = list[tuple[Path, bool]]  # (chunk file, unlink once handed over)
@@ -220,16 +223,22 @@ class Endpoint:
             return _ok(getattr(self.index, op)(**args)), []
         if op == "usage_apply":
             return _ok(self._usage_apply(m)), []
-        if op == "usage_hset":  # a rank stamps its usage hash "ended"
+        if op == "usage_hset":  # a rank stamps its usage hash "ended" or "ts"
             self._check_usage_keys([m["key"]])
-            if m.get("field") != "ended":
+            field = m.get("field")
+            if field not in USAGE_STAMPS:
                 raise ConfigError(
-                    f"the endpoint sets only the 'ended' field of a rank's usage "
-                    f"hash, not {m.get('field')!r}."
+                    f"the endpoint sets only the {' and '.join(USAGE_STAMPS)} fields "
+                    f"of a rank's usage hash, not {field!r}."
                 )
+            try:
+                stamp = repr(float(m["value"]))  # a time, as the rank's clock wrote it
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(
+                    f"a usage stamp is a time in seconds, got {m['value']!r}."
+                ) from exc
             with self.index.errors():
-                hset = self.index.client.hset
-                return _ok(hset(m["key"], "ended", str(m["value"]))), []
+                return _ok(self.index.client.hset(m["key"], field, stamp)), []
         if op == "usage_hgetall":
             self._check_usage_keys([m["key"]])
             with self.index.errors():
