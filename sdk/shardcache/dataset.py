@@ -442,8 +442,13 @@ class DistributedCachedDataset(Dataset[Any]):
         return out
 
     def invalidate(self) -> int:
-        """Start a new generation now; the next batch re-fetches. Returns it."""
-        return self._generations.invalidate(self._session.client.index)
+        """Start a new generation now; the next batch re-fetches. Returns it.
+
+        The ranks of a job that all call it at the same point (from the
+        same generation, as DDP code does) start one generation together.
+        """
+        index = self._here().client.index  # the world, and so the job, known
+        return self._generations.invalidate(index, self._slot.job)
 
     def refresh(self) -> list[str]:
         """Re-list the source (once for all ranks refreshing together); objects

@@ -29,6 +29,7 @@ from shardcache.packed_manifest import PackedManifest
 
 if TYPE_CHECKING:
     from shardcache.index import RedisIndex
+    from shardcache.job import JobId
     from shardcache.spec import DatasetSpec
 
 __all__ = ["Generations", "Refreshed", "layout_digest", "open_listing"]
@@ -104,6 +105,7 @@ class Generations:
         self.spec, self.digest = spec, digest
         self.generation = 0
         self.refreshes = 0  # this dataset's refresh rounds (their listing token)
+        self.invalidations = 0  # this process's ds.invalidate() calls
         self.due = True  # take a snapshot before the next batch
 
     def renew(self) -> None:
@@ -153,9 +155,19 @@ class Generations:
         self.generation = generation
         return generation
 
-    def invalidate(self, index: RedisIndex) -> int:
-        """Start a new generation now; the next batch reads it."""
-        self.generation = index.invalidate(self.spec.name)
+    def invalidate(self, index: RedisIndex, job: JobId) -> int:
+        """Start a new generation now, once for the ranks of ``job`` making
+        their n-th call; the next batch reads it.
+
+        Only an id made for this launch names the call: a name the user
+        gives every run alike would hand a later run an earlier run's
+        generation instead of a new one.
+        """
+        self.invalidations += 1
+        call = f"{job.id}/{self.invalidations}" if job.one_launch else ""
+        self.generation = index.invalidate(
+            self.spec.name, call=call, reading=self.generation
+        )
         self.due = True
         return self.generation
 

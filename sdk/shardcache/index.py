@@ -27,6 +27,9 @@ __all__ = ["DatasetRecord", "HitStats", "RedisIndex", "connect_redis"]
 EVENTS_KEPT = 500  # the dashboard shows recent events; older ones are trimmed
 SERIES_BUCKET_S = 10  # resolution of the hit-rate time series
 SERIES_TTL_S = 2 * 24 * 3600  # two days of history
+# The ranks of a job call ds.invalidate() at the same point of their loop,
+# seconds apart: their calls make one generation within this window.
+INVALIDATE_CALL_TTL_S = 3600
 PATHS_PER_CALL = 1000  # paths per HMGET/HDEL so one call never blocks Redis for long
 COUNTERS = (
     "hits",
@@ -162,11 +165,18 @@ end
 return {gen, ''}
 """.replace("EVENTS_CAP", str(EVENTS_KEPT - 1))
 
-# KEYS[1] dataset hash, KEYS[2] events list, KEYS[3] channel
-# ARGV[1] name, ARGV[2] now, ARGV[3] reason, ARGV[4] key prefix
+# KEYS[1] dataset hash, KEYS[2] events list, KEYS[3] channel,
+# KEYS[4] (optional) the call's key: the generation it made, for its other ranks
+# ARGV[1] name, ARGV[2] now, ARGV[3] reason, ARGV[4] key prefix, ARGV[5] call TTL s,
+# ARGV[6] the generation the caller reads (a call made before it is not its own)
 _INVALIDATE = """
+if KEYS[4] then
+  local made = redis.call('GET', KEYS[4])
+  if made and tonumber(made) >= tonumber(ARGV[6]) then return tonumber(made) end
+end
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local gen = redis.call('HINCRBY', KEYS[1], 'generation', 1)
+if KEYS[4] then redis.call('SET', KEYS[4], gen, 'EX', ARGV[5]) end
 redis.call('HSET', KEYS[1], 'invalidated_at', ARGV[2])
 redis.call('UNLINK', ARGV[4] .. ':entries:' .. ARGV[1] .. ':v' .. (gen - 1),
                      ARGV[4] .. ':owners:' .. ARGV[1] .. ':v' .. (gen - 1))
@@ -251,23 +261,32 @@ class RedisIndex:
             raw = self.client.hget(keys.dataset_key(self.ns, name), "generation")
         return int(raw) if raw else 0
 
-    def invalidate(self, name: str, reason: str = "explicit invalidate") -> int:
+    def invalidate(
+        self,
+        name: str,
+        reason: str = "explicit invalidate",
+        call: str = "",
+        reading: int = 0,
+    ) -> int:
         """Atomically start a new generation; returns it (0 if the dataset is unknown).
 
         Once this returns, readers request the new generation and stores refuse
         older ones, so nothing cached before the call is served after it.
+        ``call`` names one logical call made by several ranks (``job/n``):
+        the first starts the generation, the others get the same one, unless
+        they already read a later generation than it (``reading``).
         """
+        ids = [
+            keys.dataset_key(self.ns, name),
+            keys.events_key(self.ns),
+            keys.invalidation_channel(self.ns),
+        ]
+        if call:
+            ids.append(keys.invalidated_key(self.ns, name, call))
+        args = [name, time.time(), reason, keys.prefix(self.ns)]
+        args += [INVALIDATE_CALL_TTL_S, reading]
         with self.errors():
-            return int(
-                self._invalidate(
-                    keys=[
-                        keys.dataset_key(self.ns, name),
-                        keys.events_key(self.ns),
-                        keys.invalidation_channel(self.ns),
-                    ],
-                    args=[name, time.time(), reason, keys.prefix(self.ns)],
-                )
-            )
+            return int(self._invalidate(keys=ids, args=args))
 
     def datasets(self) -> list[str]:
         with self.errors():

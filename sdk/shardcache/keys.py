@@ -22,6 +22,7 @@ key                                        type    content
 ``{p}:stores``                             hash    node_id -> JSON store heartbeat
 ``{p}:events``                             list    JSON events, newest first, capped
 ``{p}:invalidate``                         pubsub  JSON invalidation messages
+``{p}:invalidated:{ds}:{call}``            string  the generation one job's call made (expires)
 ``{p}:budget:{source}``                    hash    request token bucket (services/budget.py)
 ``{p}:usage:{ds}[:job:{job}][:ts:{b}]``    hash    samples the ranks delivered, per origin
 ``{p}:usage:{ds}:jobs``, ``:ranks``        zset    jobs / ``job/rank`` by last report time
@@ -52,6 +53,7 @@ __all__ = [
     "datasets_key",
     "entries_key",
     "events_key",
+    "invalidated_key",
     "invalidation_channel",
     "manifest_key",
     "owners_key",
@@ -215,6 +217,12 @@ def budget_key(ns: str, source: str) -> str:
 
 def invalidation_channel(ns: str) -> str:
     return f"{prefix(ns)}:invalidate"
+
+
+def invalidated_key(ns: str, ds: str, call: str) -> str:
+    """The generation that ``call`` (``job/n``: a job's n-th
+    ``ds.invalidate()``) made, for its other ranks."""
+    return f"{prefix(ns)}:invalidated:{ds}:{call}"
 
 
 # -- usage: the samples ranks delivered, as the ranks report them (usage.py) ------

@@ -9,6 +9,7 @@ import uuid
 import pytest
 
 from shardcache import keys
+from shardcache.index import INVALIDATE_CALL_TTL_S
 from shardcache_server.index import ClusterIndex
 
 
@@ -33,6 +34,32 @@ def test_cluster_index_invalidate_bumps_generation_atomically_and_drops_entries(
     assert sorted(results) == list(range(2, 10))  # no lost update
     assert index.entries("ds", 1) == {} and index.owners("ds", 1) == {}
     assert index.invalidate("unknown") == 0
+
+
+def test_cluster_index_invalidate_one_call_of_many_ranks_makes_one_generation(index):
+    index.register("ds", "s3://b/", "fp", 1, 1)
+    results: list[int] = []
+
+    def call(reading: int) -> None:
+        results.append(index.invalidate("ds", call="job/1", reading=reading))
+
+    # Ranks still on generation 1, or moved to 2 by the first rank's call.
+    threads = [threading.Thread(target=call, args=(1 + i % 2,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [2] * 8  # the first call made it, the others got it
+    assert index.generation("ds") == 2
+    key = keys.invalidated_key(index.ns, "ds", "job/1")
+    assert 0 < index.client.ttl(key) <= INVALIDATE_CALL_TTL_S
+    # A rank that reads a later generation than the call made is not in it;
+    # the job's next call, another job's, and a call without a name are new.
+    index.invalidate("ds")
+    assert index.invalidate("ds", call="job/1", reading=3) == 4
+    assert index.invalidate("ds", call="job/2", reading=4) == 5
+    assert index.invalidate("ds", call="other/1", reading=5) == 6
+    assert index.invalidate("ds") == 7
 
 
 def test_cluster_index_invalidate_changed_drops_exactly_changed_keys_and_keeps_owners(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from shardcache.index import RedisIndex
 from shardcache.spec import default_name
 from tests.userpath.test_jobs import _metric, _metrics, _put, _redis_url
 
@@ -87,3 +88,58 @@ def test_invalidate_mid_epoch_counts_what_the_ranks_and_the_source_saw(
         _metric(metrics, "shardcache_samples_total", origin="source", **labels) == 112
     )
     assert _metric(metrics, "shardcache_remote_reads_total", **labels) == 128
+
+
+EVERY_RANK = """
+import io, json, sys
+import numpy as np
+import torch
+import torch.distributed as dist
+from shardcache import DistributedCachedDataset
+
+def load_npy(data):
+    return np.load(io.BytesIO(data))
+
+url, options, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo")
+ds = DistributedCachedDataset(url, preprocess=load_npy, storage_options=options,
+                              chunk_samples=16)
+loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=ds.sampler)
+made, seen = [], {}
+for epoch in range(3):
+    ds.set_epoch(epoch)
+    for step, batch in enumerate(loader):
+        for row in batch:
+            seen.setdefault(int(row[1]), []).append(int(row[0]))
+        if (epoch, step) == (1, 1):
+            read = ds.state_dict()["generation"]
+            made.append(ds.invalidate())  # every rank, as DDP code calls it
+with open(f"{out}.{ds.rank}.json", "w") as f:
+    json.dump({"read": read, "made": made, "seen": seen}, f)
+"""
+
+
+def test_invalidate_called_on_every_rank_starts_one_generation(
+    user, s3, s3fs_client, bucket
+):
+    for i in range(64):
+        _put(s3fs_client, bucket, i, i)
+    url, options = f"s3://{bucket}/train/", s3.storage_options()
+    script = user.write("every_rank.py", EVERY_RANK)
+    out = user.workdir / "run"
+    done = user.torchrun(script, url, json.dumps(options), str(out))
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in (0, 1)]
+    seen: dict[int, list[int]] = {}
+    for r in ranks:
+        for k, values in r["seen"].items():
+            seen.setdefault(int(k), []).extend(values)
+    assert seen == {i: [i] * 3 for i in range(64)}
+    index = RedisIndex.from_url(_redis_url(user.home))
+    generation = index.generation(default_name(url))
+    # One generation for the two calls (one a rank would make two), though
+    # the later rank may have moved to it before its own call.
+    read = min(r["read"] for r in ranks)
+    assert ranks[0]["made"] == ranks[1]["made"] == [generation] == [read + 1]
+    # Each chunk read once before the call and once after it, never again.
+    assert s3.total_gets == 64 + 64

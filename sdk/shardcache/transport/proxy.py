@@ -93,8 +93,10 @@ class _ProxyIndex:
     def generation(self, name: str) -> int:
         return int(self._client.call_index("generation", name=name))
 
-    def invalidate(self, name: str) -> int:
-        return int(self._client.call_index("invalidate", name=name))
+    def invalidate(self, name: str, call: str = "", reading: int = 0) -> int:
+        return int(
+            self._client.call_index("invalidate", name=name, call=call, reading=reading)
+        )
 
     def record_rank(
         self, name: str, job: str, rank: int, report: dict[str, Any]
