@@ -21,7 +21,7 @@ from shardcache.index import RedisIndex
 from shardcache.spec import default_name
 from tests.userpath.test_jobs import _metric, _metrics, _put, _redis_url
 
-MID_EPOCH = """
+SCRIPT_HEAD = """
 import io, json, sys
 import numpy as np
 import torch
@@ -36,7 +36,22 @@ dist.init_process_group("gloo")
 ds = DistributedCachedDataset(url, preprocess=load_npy, storage_options=options,
                               chunk_samples=16)
 loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=ds.sampler)
-epochs, seen = [], {}
+"""
+
+
+def _ranks(out: Path) -> tuple[list[dict], dict[int, list[int]]]:
+    """The two ranks' results, and every sample's values as they saw them."""
+    ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in (0, 1)]
+    seen: dict[int, list[int]] = {}
+    for r in ranks:
+        for k, values in r["seen"].items():
+            seen.setdefault(int(k), []).extend(values)
+    return ranks, seen
+
+
+MID_EPOCH = (
+    SCRIPT_HEAD
+    + """epochs, seen = [], {}
 for epoch in range(3):
     ds.set_epoch(epoch)
     before = ds.stats()
@@ -53,6 +68,7 @@ for epoch in range(3):
 with open(f"{out}.{ds.rank}.json", "w") as f:
     json.dump({"epochs": epochs, "seen": seen}, f)
 """
+)
 
 
 def test_invalidate_mid_epoch_counts_what_the_ranks_and_the_source_saw(
@@ -65,11 +81,7 @@ def test_invalidate_mid_epoch_counts_what_the_ranks_and_the_source_saw(
     out = user.workdir / "run"
     done = user.torchrun(script, url, json.dumps(options), str(out))
     assert done.returncode == 0, done.stderr[-4000:]
-    ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in (0, 1)]
-    seen: dict[int, list[int]] = {}
-    for r in ranks:
-        for k, values in r["seen"].items():
-            seen.setdefault(int(k), []).extend(values)
+    ranks, seen = _ranks(out)
     assert seen == {i: [i] * 3 for i in range(64)}
     source = sum(m for r in ranks for m, _ in r["epochs"])
     # [source samples, hits] per epoch. 64 objects, 4 chunks of 16, 2 each.
@@ -90,22 +102,9 @@ def test_invalidate_mid_epoch_counts_what_the_ranks_and_the_source_saw(
     assert _metric(metrics, "shardcache_remote_reads_total", **labels) == 128
 
 
-EVERY_RANK = """
-import io, json, sys
-import numpy as np
-import torch
-import torch.distributed as dist
-from shardcache import DistributedCachedDataset
-
-def load_npy(data):
-    return np.load(io.BytesIO(data))
-
-url, options, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-dist.init_process_group("gloo")
-ds = DistributedCachedDataset(url, preprocess=load_npy, storage_options=options,
-                              chunk_samples=16)
-loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=ds.sampler)
-made, seen = [], {}
+EVERY_RANK = (
+    SCRIPT_HEAD
+    + """made, seen = [], {}
 for epoch in range(3):
     ds.set_epoch(epoch)
     for step, batch in enumerate(loader):
@@ -117,6 +116,7 @@ for epoch in range(3):
 with open(f"{out}.{ds.rank}.json", "w") as f:
     json.dump({"read": read, "made": made, "seen": seen}, f)
 """
+)
 
 
 def test_invalidate_called_on_every_rank_starts_one_generation(
@@ -129,11 +129,7 @@ def test_invalidate_called_on_every_rank_starts_one_generation(
     out = user.workdir / "run"
     done = user.torchrun(script, url, json.dumps(options), str(out))
     assert done.returncode == 0, done.stderr[-4000:]
-    ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in (0, 1)]
-    seen: dict[int, list[int]] = {}
-    for r in ranks:
-        for k, values in r["seen"].items():
-            seen.setdefault(int(k), []).extend(values)
+    ranks, seen = _ranks(out)
     assert seen == {i: [i] * 3 for i in range(64)}
     index = RedisIndex.from_url(_redis_url(user.home))
     generation = index.generation(default_name(url))
