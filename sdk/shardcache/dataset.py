@@ -447,8 +447,10 @@ class DistributedCachedDataset(Dataset[Any]):
         The ranks of a job that all call it at the same point (from the
         same generation, as DDP code does) start one generation together.
         """
-        index = self._here().client.index  # the world, and so the job, known
-        return self._generations.invalidate(index, self._slot.job)
+        session = self._here()  # the world, and so the job, known
+        generation = self._generations.invalidate(session.client.index, self._slot.job)
+        session.announce()  # for this rank's DataLoader workers
+        return generation
 
     def refresh(self) -> list[str]:
         """Re-list the source (once for all ranks refreshing together); objects
@@ -467,6 +469,7 @@ class DistributedCachedDataset(Dataset[Any]):
         )
         found = self._generations.refresh(session.client, old, self.job)
         session.use_listing(found.manifest, found.digest, found.stale_chunks)
+        session.announce()  # for this rank's DataLoader workers
         return found.changed
 
     # -- state (resume) ------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Where a rank's process posts the reading (``job:epoch``) its DataLoader
-workers read for.
+workers read for, and the listing and invalidations they must follow.
 
 A worker's copy of the dataset cannot say which epoch it serves: a
 persistent worker keeps the sampler it was started with, whose epoch the
@@ -14,6 +14,14 @@ owner only, and is removed when the process that made it exits. A process
 killed with SIGKILL cannot remove it, so the name carries its maker's pid
 and pid namespace, and the next board made in that namespace removes the
 files whose maker is gone (a few bytes each, but tmpfs is memory).
+
+The same file carries what a persistent worker must follow inside the
+epoch (``Post``): the listing digest after the rank's ``refresh()`` (the
+worker maps the new listing and drops the chunks of changed objects) and
+the count of its ``invalidate()`` calls (the worker reads the generation
+anew before its next batch). Without it a persistent worker served the
+listing and generation of its start: a README trial saw the old bytes of
+two refreshed objects in every later epoch.
 
 >>> board = EpochBoard()
 >>> board.read()
@@ -35,9 +43,10 @@ import logging
 import os
 import re
 import tempfile
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EpochBoard"]
+__all__ = ["EpochBoard", "Post"]
 
 log = logging.getLogger("shardcache")
 
@@ -45,6 +54,33 @@ _TMPFS = "/dev/shm"
 _PREFIX = "shardcache-epoch-"
 # "shardcache-epoch-{pid namespace}-{pid}-{random}": what a sweep may remove.
 _NAMED = re.compile(re.escape(_PREFIX) + r"(\d+)-(\d+)-")
+
+
+@dataclass(frozen=True)
+class Post:
+    """What a rank's process posts for its workers: the reading (``job:epoch``),
+    and what a persistent worker must follow within the epoch too: the
+    listing the rank reads (a ``refresh()``) and its ``invalidate()`` calls.
+
+    >>> Post.decode(Post("job1:0", "ab12", 1).encode())
+    Post(reading='job1:0', listing='ab12', invalidations=1)
+    >>> Post.decode("")
+    Post(reading='', listing='', invalidations=0)
+    """
+
+    reading: str = ""
+    listing: str = ""
+    invalidations: int = 0
+
+    def encode(self) -> str:
+        return f"{self.reading}\n{self.listing}\n{self.invalidations}"
+
+    @classmethod
+    def decode(cls, text: str) -> Post:
+        parts = text.split("\n")
+        if len(parts) != 3 or not parts[2].isdigit():
+            return cls()  # nothing posted (or gone): no reading, nothing to follow
+        return cls(parts[0], parts[1], int(parts[2]))
 
 
 def _namespace() -> str:
@@ -176,7 +212,9 @@ class EpochBoard:
             self._warned = True
             log.warning(
                 "shardcache: cannot post the epoch for DataLoader workers (%s); "
-                "their source counts are per process (docs/metrics.md)",
+                "their source counts are per process (docs/metrics.md), and "
+                "persistent workers follow refresh() and invalidate() only "
+                "from their next start: pass persistent_workers=False",
                 exc,
             )
 

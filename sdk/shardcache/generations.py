@@ -181,7 +181,15 @@ class Generations:
         self.refreshes += 1
         token = f"{job}/{self.refreshes}/{self.digest}"
         ref, digest = client.manifest(self.spec.listing(), token)
-        new = client.map_manifest(ref)
+        return self._move(client.map_manifest(ref), digest, old)
+
+    def follow(self, client: Any, old: Manifest, digest: str) -> Refreshed:
+        """Move to the listing ``digest`` the rank's process refreshed to
+        (a DataLoader worker, told through the epoch board)."""
+        new = client.map_manifest(client.manifest_of(self.spec.name, digest))
+        return self._move(new, digest, old)
+
+    def _move(self, new: Any, digest: str, old: Manifest) -> Refreshed:
         if isinstance(new, PackedManifest):
             changed, stale = _packed_changes(old, new, self.spec.summary)
         else:

@@ -20,7 +20,7 @@ from torch.utils.data import get_worker_info
 
 from shardcache import block_advice, delivery
 from shardcache.chunks import Chunk
-from shardcache.epoch_board import EpochBoard
+from shardcache.epoch_board import EpochBoard, Post
 from shardcache.errors import (
     ConfigError,
     IndexUnavailable,
@@ -93,6 +93,7 @@ class RankSession:
     ):
         self.pid = os.getpid()
         self.board = board
+        self._followed: str | None = None  # the board's text a worker last acted on
         self.spec, self.job, self.rank = spec, job, rank
         self.sampler, self.generations = sampler, generations
         self.client, self.manifest = client, manifest
@@ -196,19 +197,39 @@ class RankSession:
         carry too (``job=nightly`` run again: its epoch 0 would count the
         chunks the last run built as source reads)."""
         if get_worker_info() is not None:
-            return "" if self.board is None else self.board.read()
+            return Post.decode(self.board.read() if self.board else "").reading
         if not self.job.one_launch:
             return ""
         return f"{self.job.id}:{self.sampler.epoch}"
 
     def _follow_board(self, reader: ChunkReader) -> None:
-        """In a DataLoader worker, before each batch: a new reading posted
-        is a new epoch here too (a persistent worker lives through several)."""
-        reading = "" if self.board is None else self.board.read()
-        if reading != reader.reads_for:
+        """In a DataLoader worker, before each batch: what the rank posted
+        since the last one. A new reading is a new epoch here too (a
+        persistent worker lives through several); a new listing (the rank's
+        ``refresh()``) is read from now on; and after either, or the rank's
+        ``invalidate()``, the generation is read anew."""
+        text = "" if self.board is None else self.board.read()
+        if text == self._followed:
+            return
+        self._followed = text
+        post = Post.decode(text)
+        if post.listing and post.listing != self.generations.digest:
+            found = self.generations.follow(self.client, reader.manifest, post.listing)
+            self.use_listing(found.manifest, found.digest, found.stale_chunks)
+        self.generations.renew()
+        if post.reading != reader.reads_for:
             if reader.reads_for:
                 reader.new_epoch()
-            reader.reads_for = reading
+            reader.reads_for = post.reading
+
+    def announce(self) -> None:
+        """Post this rank's reading, listing and invalidations for its
+        DataLoader workers (at each epoch start, after refresh and invalidate)."""
+        if self.board is None or not self.is_current or get_worker_info() is not None:
+            return
+        generations = self.generations
+        post = Post(self._reading(), generations.digest, generations.invalidations)
+        self.board.post(post.encode())
 
     def use_listing(self, manifest: Manifest, digest: str, stale: list[int]) -> None:
         """Read ``manifest`` from now on (a refresh): chunks built from changed
@@ -457,8 +478,7 @@ class RankSession:
         if not self.is_current:
             return
         reading = self._reading()
-        if self.board is not None and get_worker_info() is None:
-            self.board.post(reading)  # for this process's workers
+        self.announce()  # for this process's workers
         if self.reader is not None:
             self.reader.new_epoch()
             self.reader.reads_for = reading
