@@ -21,7 +21,6 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from shardcache.fork_guard import io_call
 from shardcache.usage import FLUSH_INTERVAL_S, HEARTBEAT_S
 
 if TYPE_CHECKING:
@@ -76,11 +75,10 @@ class _Flusher:
                 beat_at = time.monotonic() + HEARTBEAT_S
             for reporter in self.live():
                 try:
-                    with io_call():  # a fork waits for it (fork_guard.py)
-                        if reporter.unflushed_samples or reporter.has_rank_counts:
-                            reporter.flush()
-                        elif beat:
-                            reporter.heartbeat()
+                    if reporter.unflushed_samples or reporter.has_rank_counts:
+                        reporter.flush()
+                    elif beat:
+                        reporter.heartbeat()
                 except Exception as exc:  # the thread must outlive one bad flush
                     log.warning("shardcache: usage flush failed: %s", exc)
 

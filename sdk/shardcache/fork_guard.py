@@ -1,21 +1,24 @@
-"""Forks wait for the network calls of this process's other threads.
+"""Forks wait for this process's other threads' TLS handshakes.
 
 A DataLoader forks its workers from the training loop while this process's
-own threads may be talking to the cache: the usage flusher's heartbeat, a
-look-ahead resolve, a background rank report. A child forked while one of
-them is inside OpenSSL (a TLS handshake to a remote cache worker) inherits
-OpenSSL's locks as that thread held them, and the child's first TLS call
-waits on them forever: about 1 fork in 100 hung in a loop of forks beside a
-thread making TLS connections, and a CI run saw a DataLoader worker of the
-``tls://`` stream hang until its 120 s timeout. The same holds for any
-library lock held at the fork (redis-py's pool, gRPC).
+own threads may be opening a ``tls://`` stream connection to a remote cache
+worker (the usage flusher's, or a look-ahead's: each thread has its own
+connection). A child forked while one of them is inside an OpenSSL
+handshake inherits OpenSSL's locks as that thread held them, and the
+child's own first TLS call waits on them forever: about 1 fork in 100 hung
+in a loop of forks beside a thread making TLS connections, and a CI run saw
+a DataLoader worker of the ``tls://`` stream hang until its 120 s timeout.
 
-``io_call()`` marks a call to the cache's network; a fork (through
+``io_call()`` marks such a handshake; a fork (through
 ``os.register_at_fork``, so also ``multiprocessing``'s) waits until none is
-in flight and lets no new one start until the fork is done. The wait is
-bounded by ``FORK_WAIT_S``: a call stuck past it (an unreachable server
-that has not yet timed out) must not stop the training loop from starting
-its workers; the fork then goes ahead as it would without this guard.
+in flight and lets no new one start until the fork is done. Only the
+handshake is marked, never a request's wait for its reply (which may be a
+cold chunk's build): a fork must not wait for the cache. The wait is
+bounded by ``FORK_WAIT_S`` (a handshake to a host that does not answer),
+and once a fork gave up, the next ones do not wait again for the same
+stuck calls. Not covered: gRPC's own threads (Arrow Flight's ``grpc+tls``;
+read it with spawned workers) and ``rediss://`` on the Ray path, whose
+forked workers are refused anyway.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ from contextlib import contextmanager
 
 __all__ = ["FORK_WAIT_S", "io_call"]
 
-FORK_WAIT_S = 30.0  # longest a fork waits for other threads' calls to end
+FORK_WAIT_S = 10.0  # longest a fork waits for other threads' handshakes
 
 _cond = threading.Condition()
 _active = 0  # calls in flight, over all threads
+_started = 0  # calls ever started: tells new calls from stuck ones
+_gave_up_at = -1  # _started when a fork last stopped waiting
 _forking = False
 _depth = threading.local()  # nested calls of one thread count once
 
@@ -43,7 +48,7 @@ def io_call() -> Iterator[None]:
     >>> with io_call():
     ...     pass
     """
-    global _active
+    global _active, _started
     depth = getattr(_depth, "n", 0)
     if depth == 0:
         with _cond:
@@ -52,6 +57,7 @@ def io_call() -> Iterator[None]:
             while _forking:
                 _cond.wait()
             _active += 1
+            _started += 1
     _depth.n = depth + 1
     try:
         yield
@@ -65,13 +71,17 @@ def io_call() -> Iterator[None]:
 
 
 def _before_fork() -> None:
-    global _forking
+    global _forking, _gave_up_at
     own = 1 if getattr(_depth, "n", 0) else 0  # a fork from inside a call
     with _cond:
         _forking = True
+        if _started == _gave_up_at:
+            return  # only the calls an earlier fork gave up on: no new wait
         deadline = time.monotonic() + FORK_WAIT_S
         while _active > own and (left := deadline - time.monotonic()) > 0:
             _cond.wait(left)
+        if _active > own:
+            _gave_up_at = _started
 
 
 def _after_fork_in_parent() -> None:
@@ -83,8 +93,8 @@ def _after_fork_in_parent() -> None:
 
 def _after_fork_in_child() -> None:
     # The parent's threads are not in the child: nothing is in flight here.
-    global _cond, _active, _forking, _depth
-    _cond, _active, _forking = threading.Condition(), 0, False
+    global _cond, _active, _forking, _depth, _gave_up_at
+    _cond, _active, _forking, _gave_up_at = threading.Condition(), 0, False, -1
     _depth = threading.local()
 
 

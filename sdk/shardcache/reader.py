@@ -23,7 +23,6 @@ import numpy as np
 from shardcache.checksum import check_resolved
 from shardcache.chunk_file import will_need
 from shardcache.chunks import Chunk
-from shardcache.fork_guard import io_call
 from shardcache.manifest import Manifest
 from shardcache.transport.base import Status, Transport
 from shardcache.usage.totals import ORIGINS  # where a delivered sample came from
@@ -476,8 +475,8 @@ class ChunkReader:
         return self._background
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn`` off the training loop (stats reports); a fork waits for it."""
-        self._pool().submit(_as_io_call, fn, *args)
+        """Run ``fn`` off the training loop (stats reports)."""
+        self._pool().submit(fn, *args)
 
     def close(self) -> None:
         if self._background is not None:
@@ -518,8 +517,3 @@ def _per_chunk(chunk_ids: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int,
             entry[0] += 1
             entry[1] += size
     return sorted((c, n, int(b)) for c, (n, b) in acc.items())
-
-
-def _as_io_call(fn: Callable[..., Any], *args: Any) -> Any:
-    with io_call():
-        return fn(*args)

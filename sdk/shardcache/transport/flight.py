@@ -28,12 +28,12 @@ import numpy as np
 from shardcache.chunk_file import ALIGN_BYTES, aligned_empty, read_chunk_buffer
 from shardcache.config import ClientConfig
 from shardcache.errors import ConfigError, EndpointUnavailable
-from shardcache.fork_guard import io_call
 from shardcache.transport.base import Status
 from shardcache.transport.proxy import ProxyClient
 from shardcache.transport.wire import raise_reply_error
 
 __all__ = ["FlightClient"]
+
 
 
 class FlightClient(ProxyClient):
@@ -106,10 +106,7 @@ class FlightClient(ProxyClient):
 
         action = flight.Action(op, json.dumps(args).encode())
         try:
-            with io_call():  # a fork waits for it (fork_guard.py)
-                results = list(
-                    self._flight().do_action(action, options=self._options())
-                )
+            results = list(self._flight().do_action(action, options=self._options()))
         except (flight.FlightError, OSError) as exc:
             raise self._unavailable(exc) from exc
         reply = json.loads(results[0].body.to_pybytes())
@@ -121,12 +118,10 @@ class FlightClient(ProxyClient):
 
         started = time.perf_counter()
         try:
-            with io_call():
-                reader = self._flight().do_get(
-                    flight.Ticket(json.dumps(request).encode()),
-                    options=self._options(),
-                )
-                table = reader.read_all()
+            reader = self._flight().do_get(
+                flight.Ticket(json.dumps(request).encode()), options=self._options()
+            )
+            table = reader.read_all()
         except (flight.FlightError, OSError) as exc:
             raise self._unavailable(exc) from exc
         errors = table.column("error").to_pylist()

@@ -35,6 +35,7 @@ from shardcache.buffers import ReusedBuffers
 from shardcache.chunk_file import read_chunk_buffer
 from shardcache.config import ClientConfig
 from shardcache.errors import ConfigError, EndpointUnavailable
+from shardcache.fork_guard import io_call
 from shardcache.transport.base import Status
 from shardcache.transport.unix import EndpointClient
 from shardcache.transport.wire import recv_exact, recv_plain_frame, send_frame
@@ -111,7 +112,8 @@ class StreamClient(EndpointClient):
         if self._tls is None:
             return raw
         try:
-            return self._tls.wrap_socket(raw, server_hostname=self.host)
+            with io_call():  # a fork waits for the handshake (fork_guard.py)
+                return self._tls.wrap_socket(raw, server_hostname=self.host)
         except (OSError, ssl.SSLError) as exc:
             raw.close()
             raise self._unavailable(exc) from exc

@@ -31,7 +31,6 @@ import numpy as np
 from shardcache.chunk_file import read_chunk_buffer
 from shardcache.config import ClientConfig
 from shardcache.errors import EndpointUnavailable
-from shardcache.fork_guard import io_call
 from shardcache.transport.proxy import ProxyClient
 from shardcache.transport.wire import (
     close_all,
@@ -139,15 +138,14 @@ class EndpointClient(ProxyClient):
             raise self._dropped_error(exc) from exc
 
     def _request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-        with io_call():  # a fork waits for it (fork_guard.py)
-            try:
-                reply, attached = self._roundtrip(self._conn(), message)
-            except EndpointUnavailable:
-                if message["op"] == "invalidate":
-                    raise  # not idempotent: the caller decides
-                # The cache worker pod restarted: one new connection, one retry
-                # (every other request is idempotent; usage flushes carry a seq).
-                reply, attached = self._roundtrip(self._conn(), message)
+        try:
+            reply, attached = self._roundtrip(self._conn(), message)
+        except EndpointUnavailable:
+            if message["op"] == "invalidate":
+                raise  # not idempotent: the caller decides
+            # The cache worker pod restarted: one new connection, one retry
+            # (every other request is idempotent; usage flushes carry a seq).
+            reply, attached = self._roundtrip(self._conn(), message)
         if reply.get("error"):
             self._release(attached)
             raise_reply_error(reply)

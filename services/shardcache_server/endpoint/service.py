@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -227,16 +228,12 @@ class Endpoint:
             self._check_usage_keys([m["key"]])
             field = m.get("field")
             if field not in USAGE_STAMPS:
+                names = " and ".join(map(repr, USAGE_STAMPS))
                 raise ConfigError(
-                    f"the endpoint sets only the {' and '.join(USAGE_STAMPS)} fields "
-                    f"of a rank's usage hash, not {field!r}."
+                    f"the endpoint sets only the {names} fields of a rank's usage "
+                    f"hash, not {field!r}."
                 )
-            try:
-                stamp = repr(float(m["value"]))  # a time, as the rank's clock wrote it
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(
-                    f"a usage stamp is a time in seconds, got {m['value']!r}."
-                ) from exc
+            stamp = _stamp(m["value"])
             with self.index.errors():
                 return _ok(self.index.client.hset(m["key"], field, stamp)), []
         if op == "usage_hgetall":
@@ -304,3 +301,18 @@ class Endpoint:
 
 def _ok(result: Any) -> dict[str, Any]:
     return {"result": result}
+
+
+def _stamp(value: Any) -> str:
+    """A usage stamp: a finite time in seconds, as the rank's clock wrote it.
+
+    >>> _stamp("1764700000.25"), _stamp(12)
+    ('1764700000.25', '12.0')
+    """
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if isinstance(value, bool) or not math.isfinite(seconds):
+        raise ConfigError(f"a usage stamp is a time in seconds, got {value!r}.")
+    return repr(seconds)
