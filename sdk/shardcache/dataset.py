@@ -448,7 +448,9 @@ class DistributedCachedDataset(Dataset[Any]):
         same generation, as DDP code does) start one generation together.
         """
         session = self._here()  # the world, and so the job, known
-        generation = self._generations.invalidate(session.client.index, self._slot.job)
+        generation = self._generations.invalidate(
+            session.client.index, self._slot.job, self._sampler.epoch
+        )
         session.announce()  # for this rank's DataLoader workers
         return generation
 

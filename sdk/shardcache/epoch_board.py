@@ -62,25 +62,37 @@ class Post:
     and what a persistent worker must follow within the epoch too: the
     listing the rank reads (a ``refresh()``) and its ``invalidate()`` calls.
 
-    >>> Post.decode(Post("job1:0", "ab12", 1).encode())
-    Post(reading='job1:0', listing='ab12', invalidations=1)
+    >>> Post.decode(Post("job1:0", 0, "ab12", 1).encode())
+    Post(reading='job1:0', epoch=0, listing='ab12', invalidations=1)
     >>> Post.decode("")
-    Post(reading='', listing='', invalidations=0)
+    Post(reading='', epoch=-1, listing='', invalidations=0)
     """
 
     reading: str = ""
+    # The rank's epoch: a new one even where the reading is "" (a job= name).
+    epoch: int = -1
     listing: str = ""
     invalidations: int = 0
 
     def encode(self) -> str:
-        return f"{self.reading}\n{self.listing}\n{self.invalidations}"
+        fields = (self.reading, self.epoch, self.listing, self.invalidations)
+        return "\n".join(map(str, fields))
 
     @classmethod
     def decode(cls, text: str) -> Post:
         parts = text.split("\n")
-        if len(parts) != 3 or not parts[2].isdigit():
+        if len(parts) != 4 or not parts[3].isdigit():
             return cls()  # nothing posted (or gone): no reading, nothing to follow
-        return cls(parts[0], parts[1], int(parts[2]))
+        return cls(parts[0], int(parts[1]), parts[2], int(parts[3]))
+
+    def moves_generation(self, last: Post) -> bool:
+        """A new epoch or an invalidate since ``last``: read the generation
+        anew (a refresh alone keeps it, as ``consistency="epoch"`` does)."""
+        return (self.reading, self.epoch, self.invalidations) != (
+            last.reading,
+            last.epoch,
+            last.invalidations,
+        )
 
 
 def _namespace() -> str:
@@ -193,6 +205,12 @@ class EpochBoard:
                     pass
             return
         self._value = reading
+
+    def prepare(self) -> None:
+        """Make the file now, in the posting process: a worker forked before
+        the first post must still know where to read it."""
+        if self._is_owner and not self.path:
+            self._make()
 
     def _make(self) -> bool:
         """Create the (empty) file; False where no folder takes it."""

@@ -11,6 +11,7 @@ generation is due again is its own (``renew``).
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -106,6 +107,7 @@ class Generations:
         self.generation = 0
         self.refreshes = 0  # this dataset's refresh rounds (their listing token)
         self.invalidations = 0  # this process's ds.invalidate() calls
+        self._epoch_calls: tuple[int, int] = (-1, 0)  # (epoch, calls made in it)
         self.due = True  # take a snapshot before the next batch
 
     def renew(self) -> None:
@@ -155,19 +157,25 @@ class Generations:
         self.generation = generation
         return generation
 
-    def invalidate(self, index: RedisIndex, job: JobId) -> int:
+    def invalidate(self, index: RedisIndex, job: JobId, epoch: int) -> int:
         """Start a new generation now, once for the ranks of ``job`` making
-        their n-th call; the next batch reads it.
+        the same call (the n-th of ``epoch``); the next batch reads it.
 
         Only an id made for this launch names the call: a name the user
         gives every run alike would hand a later run an earlier run's
-        generation instead of a new one.
+        generation instead of a new one. A worker group restarted by
+        torchrun keeps the id, so the restart count is in the name too, and
+        a call counts only once it succeeded (ranks stay in step).
         """
-        self.invalidations += 1
-        call = f"{job.id}/{self.invalidations}" if job.one_launch else ""
+        done_epoch, done = self._epoch_calls
+        n = done + 1 if done_epoch == epoch else 1
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        call = f"{job.id}/{restart}/{epoch}/{n}" if job.one_launch else ""
         self.generation = index.invalidate(
             self.spec.name, call=call, reading=self.generation
         )
+        self._epoch_calls = (epoch, n)
+        self.invalidations += 1
         self.due = True
         return self.generation
 

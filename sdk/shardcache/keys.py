@@ -220,8 +220,8 @@ def invalidation_channel(ns: str) -> str:
 
 
 def invalidated_key(ns: str, ds: str, call: str) -> str:
-    """The generation that ``call`` (``job/n``: a job's n-th
-    ``ds.invalidate()``) made, for its other ranks."""
+    """The generation that ``call`` (``job/restart/epoch/n``: a job's n-th
+    ``ds.invalidate()`` of an epoch) made, for its other ranks."""
     return f"{prefix(ns)}:invalidated:{ds}:{call}"
 
 

@@ -211,12 +211,13 @@ class RankSession:
         text = "" if self.board is None else self.board.read()
         if text == self._followed:
             return
-        self._followed = text
         post = Post.decode(text)
         if post.listing and post.listing != self.generations.digest:
             found = self.generations.follow(self.client, reader.manifest, post.listing)
             self.use_listing(found.manifest, found.digest, found.stale_chunks)
-        self.generations.renew()
+        if post.moves_generation(Post.decode(self._followed or "")):
+            self.generations.renew()
+        self._followed = text  # only once followed: a failed move is tried again
         if post.reading != reader.reads_for:
             if reader.reads_for:
                 reader.new_epoch()
@@ -228,7 +229,12 @@ class RankSession:
         if self.board is None or not self.is_current or get_worker_info() is not None:
             return
         generations = self.generations
-        post = Post(self._reading(), generations.digest, generations.invalidations)
+        post = Post(
+            self._reading(),
+            self.sampler.epoch,
+            generations.digest,
+            generations.invalidations,
+        )
         self.board.post(post.encode())
 
     def use_listing(self, manifest: Manifest, digest: str, stale: list[int]) -> None:

@@ -67,6 +67,7 @@ class SessionSlot:
         # The reading this process's DataLoader workers read for (posted at
         # each epoch start; epoch_board.py).
         self.board = EpochBoard()
+        self.board.prepare()  # a worker forked before the first post reads it
         sampler.bind(self.start_epoch, self.use_world)
         self.session = self._open(client, manifest)
 

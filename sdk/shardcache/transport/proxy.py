@@ -94,9 +94,9 @@ class _ProxyIndex:
         return int(self._client.call_index("generation", name=name))
 
     def invalidate(self, name: str, call: str = "", reading: int = 0) -> int:
-        return int(
-            self._client.call_index("invalidate", name=name, call=call, reading=reading)
-        )
+        # Named calls only: an endpoint of the last release takes ``name`` alone.
+        named = {"call": call, "reading": reading} if call else {}
+        return int(self._client.call_index("invalidate", name=name, **named))
 
     def record_rank(
         self, name: str, job: str, rank: int, report: dict[str, Any]
