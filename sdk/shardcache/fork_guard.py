@@ -38,49 +38,42 @@ _active = 0  # calls in flight, over all threads
 _started = 0  # calls ever started: tells new calls from stuck ones
 _gave_up_at = -1  # _started when a fork last stopped waiting
 _forking = False
-_depth = threading.local()  # nested calls of one thread count once
 
 
 @contextmanager
 def io_call() -> Iterator[None]:
-    """Run the body as one network call that a fork waits for.
+    """Run the body (a TLS handshake) as one call that a fork waits for.
 
     >>> with io_call():
     ...     pass
     """
     global _active, _started
-    depth = getattr(_depth, "n", 0)
-    if depth == 0:
-        with _cond:
-            # A thread cannot be forking and calling at once: the wait ends
-            # when the forking thread's after-fork hook clears the flag.
-            while _forking:
-                _cond.wait()
-            _active += 1
-            _started += 1
-    _depth.n = depth + 1
+    with _cond:
+        # A thread cannot be forking and calling at once: the wait ends
+        # when the forking thread's after-fork hook clears the flag.
+        while _forking:
+            _cond.wait()
+        _active += 1
+        _started += 1
     try:
         yield
     finally:
-        _depth.n = depth
-        if depth == 0:
-            with _cond:
-                _active = max(_active - 1, 0)  # 0 in a child forked inside the call
-                if _active == 0:
-                    _cond.notify_all()
+        with _cond:
+            _active -= 1
+            if _active == 0:
+                _cond.notify_all()
 
 
 def _before_fork() -> None:
     global _forking, _gave_up_at
-    own = 1 if getattr(_depth, "n", 0) else 0  # a fork from inside a call
     with _cond:
         _forking = True
         if _started == _gave_up_at:
             return  # only the calls an earlier fork gave up on: no new wait
         deadline = time.monotonic() + FORK_WAIT_S
-        while _active > own and (left := deadline - time.monotonic()) > 0:
+        while _active and (left := deadline - time.monotonic()) > 0:
             _cond.wait(left)
-        if _active > own:
+        if _active:
             _gave_up_at = _started
 
 
@@ -93,9 +86,8 @@ def _after_fork_in_parent() -> None:
 
 def _after_fork_in_child() -> None:
     # The parent's threads are not in the child: nothing is in flight here.
-    global _cond, _active, _forking, _depth, _gave_up_at
+    global _cond, _active, _forking, _gave_up_at
     _cond, _active, _forking, _gave_up_at = threading.Condition(), 0, False, -1
-    _depth = threading.local()
 
 
 os.register_at_fork(

@@ -273,9 +273,8 @@ class RedisIndex:
         Once this returns, readers request the new generation and stores refuse
         older ones, so nothing cached before the call is served after it.
         ``call`` names one logical call made by several ranks
-        (``job/restart/epoch/n``):
-        the first starts the generation, the others get the same one, unless
-        they already read a later generation than it (``reading``).
+        (``job/restart/epoch/n``): the first starts the generation, the others
+        get the same one, unless they already read a later one (``reading``).
         """
         ids = [
             keys.dataset_key(self.ns, name),
