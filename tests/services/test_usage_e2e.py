@@ -70,7 +70,7 @@ def _rank(rank, world, port, address, cfg, out):
                     _next_bucket()
                     ds.invalidate()
                 dist.barrier()
-            if cfg["bucket_per_epoch"]:
+            elif cfg["bucket_per_epoch"]:  # the invalidate above began a bucket
                 dist.barrier()
                 if rank == 0:
                     _next_bucket()

@@ -50,7 +50,7 @@ from shardcache.embedded import free_port
 collect_ignore_glob = ["trainer_scripts/*"]
 
 SCRIPT_TIMEOUT_S = 240  # a script's whole run, Ray head start included
-TEST_TIMEOUT_S = 600  # a test runs a few scripts, each starting Ray
+TEST_TIMEOUT_S = 360  # a test runs a few scripts (the longest ~70 s here)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -56,8 +56,10 @@ def main():
                         f.write(buf.getvalue())
             dist.barrier()
             refreshed = ds.refresh()
-        if epoch == 1 and ds.rank == 0:
-            ds.invalidate()  # rank 1's workers move at the next epoch
+        if epoch == 1:
+            if ds.rank == 0:
+                ds.invalidate()  # rank 1's workers move at its next epoch,
+            dist.barrier()       # the one it starts after this call
     with open(f"{out}.{ds.rank}.json", "w") as f:
         json.dump({"seen": seen, "refreshed": refreshed}, f)
 
