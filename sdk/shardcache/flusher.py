@@ -6,7 +6,10 @@ each ``FLUSH_INTERVAL_S`` (and writes a heartbeat every ``HEARTBEAT_S`` while
 the process lives, so a rank in a long step is not taken for dead), and an
 exit hook that runs the registered final reports (a rank's last report) and
 flushes once more, within ``EXIT_DEADLINE_S``: an unreachable Redis never
-holds up the end of a script or a DataLoader worker.
+holds up the end of a script or a DataLoader worker. An owner collected
+before the process ends (a dataset built inside ``main()``, which the cyclic
+GC may take once ``main`` returns) hands its reporter and last report over
+with :func:`retire`, so its counts are written all the same.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import signal
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -26,7 +30,7 @@ from shardcache.usage import FLUSH_INTERVAL_S, HEARTBEAT_S
 if TYPE_CHECKING:
     from shardcache.usage import UsageReporter
 
-__all__ = ["EXIT_DEADLINE_S", "at_exit", "keep_flushed"]
+__all__ = ["EXIT_DEADLINE_S", "at_exit", "keep_flushed", "retire"]
 
 log = logging.getLogger("shardcache")
 
@@ -54,6 +58,9 @@ class _Flusher:
         self.reporters: weakref.WeakSet[UsageReporter] = weakref.WeakSet()
         self.finals: dict[tuple[int, str], weakref.WeakMethod[Callable[[], None]]] = {}
         self.lock = threading.Lock()
+        # Reporters whose owner was collected, each with the owner's last
+        # report (retire()): written by the thread or the exit hook.
+        self.retired: deque[tuple[UsageReporter, Callable[[], None]]] = deque()
         self.stop = threading.Event()
         self.done = False
         self.thread = threading.Thread(
@@ -70,6 +77,7 @@ class _Flusher:
     def _loop(self) -> None:
         beat_at = time.monotonic()
         while not self.stop.wait(FLUSH_INTERVAL_S):
+            self._drain()
             beat = time.monotonic() >= beat_at
             if beat:
                 beat_at = time.monotonic() + HEARTBEAT_S
@@ -81,6 +89,19 @@ class _Flusher:
                         reporter.heartbeat()
                 except Exception as exc:  # the thread must outlive one bad flush
                     log.warning("shardcache: usage flush failed: %s", exc)
+
+    def _drain(self) -> None:
+        """The last reports and flushes of collected owners (retire())."""
+        while True:
+            try:
+                reporter, last = self.retired.popleft()
+            except IndexError:
+                return
+            try:
+                last()
+                reporter.close()
+            except Exception as exc:  # as at exit: never kill the thread
+                log.warning("shardcache: final report failed: %s", exc)
 
     def at_exit(self) -> None:
         """Final reports and flushes, bounded by ``EXIT_DEADLINE_S``."""
@@ -112,6 +133,7 @@ class _Flusher:
                 fn()
             except Exception as exc:  # never mask the script's own exit
                 log.warning("shardcache: final report failed: %s", exc)
+        self._drain()
         for reporter in self.live():
             try:
                 reporter.close()
@@ -147,6 +169,21 @@ def at_exit(method: Callable[[], None]) -> None:
     key = (id(owner), getattr(method, "__name__", ""))
     with flusher.lock:
         flusher.finals[key] = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+
+def retire(reporter: UsageReporter, last: Callable[[], None]) -> None:
+    """Write ``last()`` and close ``reporter`` soon: their owner was collected.
+
+    Called from a ``weakref.finalize`` callback, which the cyclic GC may run
+    on any thread while that thread holds any lock: hence no lock and no I/O
+    here, only one atomic ``deque.append``; the flusher's thread (within
+    ``FLUSH_INTERVAL_S``) or the exit hook does the writing. Dropped in a
+    process that did not register the reporter (a forked child), and after
+    the exit hook ran (whatever lived then was reported by it).
+    """
+    flusher = _flusher
+    if flusher is not None and flusher.pid == os.getpid() and not flusher.done:
+        flusher.retired.append((reporter, last))
 
 
 def _exit_on_sigterm(flusher: _Flusher) -> None:

@@ -8,9 +8,11 @@ generation) is shared with the dataset and read, never owned, here.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +29,7 @@ from shardcache.errors import (
     StaleVersionError,
     TransformError,
 )
-from shardcache.flusher import at_exit, keep_flushed
+from shardcache.flusher import at_exit, keep_flushed, retire
 from shardcache.generations import Generations
 from shardcache.job import JobId
 from shardcache.keys import chunk_key
@@ -134,8 +136,10 @@ class RankSession:
         self._epoch_mixed = False
         self.suggested_block = 0
         generations.renew()
+        # The reporter reaches the client, never the session: the finalizer
+        # below holds the reporter, and must not keep the session alive.
         self.usage = UsageReporter(
-            lambda: self.client.index.client,
+            lambda: client.index.client,
             spec.config.namespace,
             spec.name,
             job.id,
@@ -144,6 +148,15 @@ class RankSession:
         )
         keep_flushed(self.usage)
         at_exit(self.final_report)
+        # Collected before the process ends (a dataset built in main(), taken
+        # by the cyclic GC once main returns: a README trial lost a whole
+        # job's counts so), the session still makes its last report.
+        last = functools.partial(
+            _report_collected, self.pid, self.usage, client, spec.name, job.id,
+            rank, self.counts, self.waits, generations,
+        )  # fmt: skip
+        self._collected = weakref.finalize(self, retire, self.usage, last)
+        self._collected.atexit = False  # at exit a live session reports itself
 
     @property
     def is_current(self) -> bool:
@@ -538,14 +551,9 @@ class RankSession:
         if self.waits.batches == 0:
             return
         self._rank_reported_at = time.monotonic()
-        report = {
-            **self.counts,
-            **self.waits.summary(),
-            "batches": self.waits.batches,
-            "epoch": self.sampler.epoch,
-            "generation": self.generations.generation,
-            "ts": time.time(),
-        }
+        report = _rank_report(
+            self.counts, self.waits, self.sampler.epoch, self.generations.generation
+        )
         if in_background and self.reader is not None:
             # The report is built here (the wait deque is not thread-safe to
             # read); only the Redis write leaves the training loop's path.
@@ -624,7 +632,50 @@ class RankSession:
 
     def close(self) -> None:
         """Report final stats, stop the prefetch threads, flush usage."""
+        self._collected.detach()  # reported here, not again when collected
         self.report_rank()
         if self.reader is not None:
             self.reader.close()
         self.usage.close()
+
+
+def _rank_report(
+    counts: dict[str, int], waits: WaitRecorder, epoch: int, generation: int
+) -> dict[str, Any]:
+    """A rank's report: its counts, wait percentiles, epoch and generation."""
+    return {
+        **counts,
+        **waits.summary(),
+        "batches": waits.batches,
+        "epoch": epoch,
+        "generation": generation,
+        "ts": time.time(),
+    }
+
+
+def _report_collected(
+    pid: int,
+    usage: UsageReporter,
+    client: Any,
+    name: str,
+    job_id: str,
+    rank: int,
+    counts: dict[str, int],
+    waits: WaitRecorder,
+    generations: Generations,
+) -> None:
+    """:meth:`RankSession.final_report` of a session collected before its
+    process ended, from the parts it left (the flusher's thread runs it)."""
+    if pid != os.getpid():
+        return
+    if get_worker_info() is not None:  # a worker's rank reports for itself
+        usage.owns_rank = False
+        return
+    if waits.batches == 0:
+        return
+    epoch = usage.last_epoch
+    report = _rank_report(counts, waits, epoch or 0, generations.generation)
+    try:
+        client.index.record_rank(name, job_id, rank, report)
+    except IndexUnavailable:
+        pass  # as report_rank: the usage counts still go (reporter.close)

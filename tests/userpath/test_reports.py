@@ -129,3 +129,51 @@ def test_sigterm_reports_everything_and_sigkill_loses_at_most_one_second(user):
     assert delivered - 20 * 16 <= reported <= delivered
     [rank] = [r for r in _reader(user.home).ranks("reports") if r.job == job]
     assert rank.state(time.time(), 3.0) == "lost"
+
+
+IN_MAIN = """
+import gc, io, json, sys
+import numpy as np
+import torch
+from shardcache import DistributedCachedDataset
+
+def load_npy(data):
+    return torch.from_numpy(np.load(io.BytesIO(data)))
+
+def main():
+    ds = DistributedCachedDataset(sys.argv[1], preprocess=load_npy, name="in-main")
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=ds.sampler)
+    ds.set_epoch(0)
+    delivered = 0
+    for step, x in enumerate(loader):
+        delivered += len(x)
+        if step == 1:
+            torch.save(ds.state_dict(), f"state-{ds.rank}.pt")
+            break
+    print(json.dumps({"job": ds.job, "delivered": delivered}), flush=True)
+
+if __name__ == "__main__":
+    main()
+    gc.collect()  # the collector may run any time after main() returns; here it does
+"""
+
+
+def test_a_dataset_collected_before_exit_still_reports(user):
+    """A README trial (2026-12-02): a checkpointing script whose dataset
+    lived in ``main()`` delivered 2 x 64 samples and its job never reached
+    ``shardcache stats``: the cyclic GC took the dataset once ``main``
+    returned, and with it the counts the exit hook would have written."""
+    root = user.workdir / "data"
+    _data(root, 64)
+    script = user.write("train.py", IN_MAIN)
+    done = user.torchrun(script, f"{root}/")
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    assert [x["delivered"] for x in lines] == [16, 16]
+    reader = _reader(user.home)
+    for job in {x["job"] for x in lines}:
+        mine = sum(x["delivered"] for x in lines if x["job"] == job)
+        assert reader.job_totals("in-main", job).samples == mine
+    ranks = [r for r in reader.ranks("in-main") if r.job in {x["job"] for x in lines}]
+    assert len(ranks) == 2
+    assert all(r.state(time.time(), 3.0) == "ended" for r in ranks)

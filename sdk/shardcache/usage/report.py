@@ -264,6 +264,11 @@ class UsageReporter:
         self.listing, self.generation = listing, generation
 
     @property
+    def last_epoch(self) -> int | None:
+        """The epoch of the last wait counted (``None`` before the first)."""
+        return self._epoch
+
+    @property
     def unflushed_samples(self) -> int:
         """Samples counted here and not yet confirmed written to Redis."""
         with self._lock:
