@@ -60,7 +60,8 @@ class _Flusher:
         self.lock = threading.Lock()
         # Reporters whose owner was collected, each with the owner's last
         # report (retire()): written by the thread or the exit hook.
-        self.retired: deque[tuple[UsageReporter, Callable[[], None]]] = deque()
+        self.retired: deque[tuple[UsageReporter, Callable[[], bool]]] = deque()
+        self.drainer: threading.Thread | None = None
         self.stop = threading.Event()
         self.done = False
         self.thread = threading.Thread(
@@ -77,7 +78,6 @@ class _Flusher:
     def _loop(self) -> None:
         beat_at = time.monotonic()
         while not self.stop.wait(FLUSH_INTERVAL_S):
-            self._drain()
             beat = time.monotonic() >= beat_at
             if beat:
                 beat_at = time.monotonic() + HEARTBEAT_S
@@ -89,6 +89,13 @@ class _Flusher:
                         reporter.heartbeat()
                 except Exception as exc:  # the thread must outlive one bad flush
                     log.warning("shardcache: usage flush failed: %s", exc)
+            if self.retired and not (self.drainer and self.drainer.is_alive()):
+                # On a thread of its own: a collected owner's Redis may be
+                # gone, and its retries must not hold up the live flushes.
+                self.drainer = threading.Thread(
+                    target=self._drain, name="shardcache-retired", daemon=True
+                )
+                self.drainer.start()
 
     def _drain(self) -> None:
         """The last reports and flushes of collected owners (retire())."""
@@ -98,8 +105,8 @@ class _Flusher:
             except IndexError:
                 return
             try:
-                last()
-                reporter.close()
+                if last():
+                    reporter.close()
             except Exception as exc:  # as at exit: never kill the thread
                 log.warning("shardcache: final report failed: %s", exc)
 
@@ -108,12 +115,18 @@ class _Flusher:
         with self.lock:
             if self.done:
                 return
+            # What lives now is held until reported: once done is set, an
+            # owner the GC takes meanwhile is no longer retired (retire()).
+            finals = [m for ref in self.finals.values() if (m := ref()) is not None]
+            live = list(self.reporters)
             self.done = True
-            finals = list(self.finals.values())
             self.finals.clear()
         self.stop.set()
         worker = threading.Thread(
-            target=self._finish, args=(finals,), name="shardcache-exit", daemon=True
+            target=self._finish,
+            args=(finals, live),
+            name="shardcache-exit",
+            daemon=True,
         )
         worker.start()
         worker.join(EXIT_DEADLINE_S)
@@ -124,17 +137,18 @@ class _Flusher:
                 EXIT_DEADLINE_S,
             )
 
-    def _finish(self, finals: list[weakref.WeakMethod[Callable[[], None]]]) -> None:
-        for ref in finals:
-            fn = ref()
-            if fn is None:
-                continue
+    def _finish(
+        self, finals: list[Callable[[], None]], live: list[UsageReporter]
+    ) -> None:
+        for fn in finals:
             try:
                 fn()
             except Exception as exc:  # never mask the script's own exit
                 log.warning("shardcache: final report failed: %s", exc)
         self._drain()
-        for reporter in self.live():
+        if self.drainer is not None:  # what it took before the exit, written
+            self.drainer.join()  # (at_exit bounds the whole of _finish)
+        for reporter in live:
             try:
                 reporter.close()
             except Exception as exc:
@@ -171,18 +185,22 @@ def at_exit(method: Callable[[], None]) -> None:
         flusher.finals[key] = weakref.WeakMethod(method)  # type: ignore[arg-type]
 
 
-def retire(reporter: UsageReporter, last: Callable[[], None]) -> None:
-    """Write ``last()`` and close ``reporter`` soon: their owner was collected.
+def retire(reporter: UsageReporter, last: Callable[[], bool], pid: int) -> None:
+    """Run ``last()`` soon, and close ``reporter`` if it returns true: their
+    owner, made in process ``pid``, was collected.
 
     Called from a ``weakref.finalize`` callback, which the cyclic GC may run
     on any thread while that thread holds any lock: hence no lock and no I/O
     here, only one atomic ``deque.append``; the flusher's thread (within
     ``FLUSH_INTERVAL_S``) or the exit hook does the writing. Dropped in a
-    process that did not register the reporter (a forked child), and after
-    the exit hook ran (whatever lived then was reported by it).
+    process other than ``pid`` (a forked child's copy of its parent's owner:
+    the child's own flusher must not end the parent's report), and after the
+    exit hook ran (whatever lived then it held and reported).
     """
     flusher = _flusher
-    if flusher is not None and flusher.pid == os.getpid() and not flusher.done:
+    if pid != os.getpid():
+        return
+    if flusher is not None and flusher.pid == pid and not flusher.done:
         flusher.retired.append((reporter, last))
 
 

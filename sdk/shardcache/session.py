@@ -155,7 +155,7 @@ class RankSession:
             _report_collected, self.pid, self.usage, client, spec.name, job.id,
             rank, self.counts, self.waits, generations,
         )  # fmt: skip
-        self._collected = weakref.finalize(self, retire, self.usage, last)
+        self._collected = weakref.finalize(self, retire, self.usage, last, self.pid)
         self._collected.atexit = False  # at exit a live session reports itself
 
     @property
@@ -630,6 +630,11 @@ class RankSession:
         if self.reader is not None and self.is_current:
             self.reader.close()
 
+    def abandon(self) -> None:
+        """Replaced before it delivered anything (a new world, or a forked
+        worker's copy of its rank's): nothing to report when collected."""
+        self._collected.detach()
+
     def close(self) -> None:
         """Report final stats, stop the prefetch threads, flush usage."""
         self._collected.detach()  # reported here, not again when collected
@@ -663,19 +668,22 @@ def _report_collected(
     counts: dict[str, int],
     waits: WaitRecorder,
     generations: Generations,
-) -> None:
+) -> bool:
     """:meth:`RankSession.final_report` of a session collected before its
-    process ended, from the parts it left (the flusher's thread runs it)."""
+    process ended, from the parts it left (the flusher's thread runs it).
+    Returns whether its reporter has anything to close: a session that
+    delivered nothing must not stamp its rank ``ended``."""
     if pid != os.getpid():
-        return
+        return False
     if get_worker_info() is not None:  # a worker's rank reports for itself
         usage.owns_rank = False
-        return
+        return True
     if waits.batches == 0:
-        return
+        return bool(usage.unflushed_samples)
     epoch = usage.last_epoch
     report = _rank_report(counts, waits, epoch or 0, generations.generation)
     try:
         client.index.record_rank(name, job_id, rank, report)
     except IndexUnavailable:
         pass  # as report_rank: the usage counts still go (reporter.close)
+    return True

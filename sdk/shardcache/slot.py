@@ -93,6 +93,7 @@ class SessionSlot:
         self.sampler.rank  # noqa: B018 (resolves the world: use_world may renew)
         if not self.session.is_current:
             client = open_for_this_process(self.spec.config, forked=True)
+            self.session.abandon()  # the rank's, which the rank reports
             self.session = self._open(client, self.session.manifest)
         return self.session
 
@@ -112,6 +113,7 @@ class SessionSlot:
         old = self.session
         if old.is_current and old.waits.batches == 0:
             old.close_reader()
+            old.abandon()
             self.session = self._open(old.client, old.manifest)
 
     def _agreed_job(self, world_size: int) -> JobId:

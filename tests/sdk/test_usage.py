@@ -3,14 +3,19 @@ that stops and restarts mid-job."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
+import os
+import time
 import uuid
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis as redis_py
 
+from shardcache import flusher, keys
 from shardcache.embedded import start_redis_server
 from shardcache.errors import ConfigError
 from shardcache.usage import UsageReader, UsageReporter
@@ -204,3 +209,39 @@ def test_usage_forked_child_does_not_resend_the_parents_counts(redis_url):
     reader = UsageReader(redis_py.Redis.from_url(redis_url, decode_responses=True), ns)
     t = reader.totals("images")
     assert (t.samples_local, t.samples_peer) == (100, 5)
+
+
+def _collect_forked_copy(box: list, redis_url: str) -> None:
+    """A forked child (a DataLoader worker) with a flusher of its own drops
+    its copy of the parent's owner, then lives past two flush intervals."""
+    flusher.keep_flushed(UsageReporter(_factory(redis_url), _ns(), "images", "j", 0))
+    box.clear()
+    gc.collect()
+    time.sleep(2.5)
+    os._exit(0)
+
+
+def test_an_owner_collected_is_reported_by_its_own_process_only(redis_url):
+    """flusher.retire: a session collected before its process ends gets its
+    last report and its ``ended`` stamp (session.py); a forked child's copy
+    of it, collected in the child, writes nothing under the parent's rank
+    (a review: every worker fork stamped the live rank ``ended``)."""
+    ns = _ns()
+    reporter = UsageReporter(_factory(redis_url), ns, "images", "job1", 0)
+    flusher.keep_flushed(reporter)
+    box = [type("Owner", (), {})()]
+    weakref.finalize(box[0], flusher.retire, reporter, lambda: True, os.getpid())
+    client = redis_py.Redis.from_url(redis_url, decode_responses=True)
+    key = keys.usage_rank_key(ns, "images", "job1/0")
+    proc = multiprocessing.get_context("fork").Process(
+        target=_collect_forked_copy, args=(box, redis_url)
+    )
+    proc.start()
+    proc.join(timeout=30)
+    assert proc.exitcode == 0
+    assert client.hget(key, "ended") is None
+    box.clear()  # collected here, in its own process
+    deadline = time.monotonic() + 10
+    while client.hget(key, "ended") is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert client.hget(key, "ended") is not None

@@ -132,7 +132,7 @@ def test_sigterm_reports_everything_and_sigkill_loses_at_most_one_second(user):
 
 
 IN_MAIN = """
-import gc, io, json, sys
+import gc, io, json, sys, weakref
 import numpy as np
 import torch
 from shardcache import DistributedCachedDataset
@@ -151,10 +151,12 @@ def main():
             torch.save(ds.state_dict(), f"state-{ds.rank}.pt")
             break
     print(json.dumps({"job": ds.job, "delivered": delivered}), flush=True)
+    return weakref.ref(ds._session)  # the test's probe, not the user's code
 
 if __name__ == "__main__":
-    main()
+    session = main()
     gc.collect()  # the collector may run any time after main() returns; here it does
+    print(json.dumps({"collected": session() is None}), flush=True)
 """
 
 
@@ -168,7 +170,10 @@ def test_a_dataset_collected_before_exit_still_reports(user):
     script = user.write("train.py", IN_MAIN)
     done = user.torchrun(script, f"{root}/")
     assert done.returncode == 0, done.stderr[-4000:]
-    lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    out = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    # The path under test: each rank's session was gone before its exit hook.
+    assert [x["collected"] for x in out if "collected" in x] == [True, True]
+    lines = [x for x in out if "job" in x]
     assert [x["delivered"] for x in lines] == [16, 16]
     reader = _reader(user.home)
     for job in {x["job"] for x in lines}:
