@@ -62,6 +62,8 @@ class _Flusher:
         # report (retire()): written by the thread or the exit hook.
         self.retired: deque[tuple[UsageReporter, Callable[[], bool]]] = deque()
         self.drainer: threading.Thread | None = None
+        # Those it closed: the exit hook does not close them again.
+        self.drained: weakref.WeakSet[UsageReporter] = weakref.WeakSet()
         self.stop = threading.Event()
         self.done = False
         self.thread = threading.Thread(
@@ -89,13 +91,15 @@ class _Flusher:
                         reporter.heartbeat()
                 except Exception as exc:  # the thread must outlive one bad flush
                     log.warning("shardcache: usage flush failed: %s", exc)
-            if self.retired and not (self.drainer and self.drainer.is_alive()):
+            busy = self.drainer is not None and self.drainer.is_alive()
+            if self.retired and not busy and not self.stop.is_set():
                 # On a thread of its own: a collected owner's Redis may be
                 # gone, and its retries must not hold up the live flushes.
-                self.drainer = threading.Thread(
+                drainer = threading.Thread(
                     target=self._drain, name="shardcache-retired", daemon=True
                 )
-                self.drainer.start()
+                drainer.start()
+                self.drainer = drainer  # started: the exit hook may join it
 
     def _drain(self) -> None:
         """The last reports and flushes of collected owners (retire())."""
@@ -109,6 +113,8 @@ class _Flusher:
                     reporter.close()
             except Exception as exc:  # as at exit: never kill the thread
                 log.warning("shardcache: final report failed: %s", exc)
+            with self.lock:  # WeakSet add vs the exit hook's iteration
+                self.drained.add(reporter)
 
     def at_exit(self) -> None:
         """Final reports and flushes, bounded by ``EXIT_DEADLINE_S``."""
@@ -146,8 +152,11 @@ class _Flusher:
             except Exception as exc:  # never mask the script's own exit
                 log.warning("shardcache: final report failed: %s", exc)
         self._drain()
-        if self.drainer is not None:  # what it took before the exit, written
-            self.drainer.join()  # (at_exit bounds the whole of _finish)
+        drainer = self.drainer
+        if drainer is not None:  # what it took before the exit, written
+            drainer.join()  # (at_exit bounds the whole of _finish)
+        with self.lock:
+            live = [r for r in live if r not in self.drained]
         for reporter in live:
             try:
                 reporter.close()

@@ -671,15 +671,16 @@ def _report_collected(
 ) -> bool:
     """:meth:`RankSession.final_report` of a session collected before its
     process ended, from the parts it left (the flusher's thread runs it).
-    Returns whether its reporter has anything to close: a session that
-    delivered nothing must not stamp its rank ``ended``."""
+    Returns whether to close its reporter (stamping the rank ``ended``, as
+    the exit hook does: a rank whose DataLoader workers deliver has no
+    batches of its own); a session replaced unused is abandoned instead."""
     if pid != os.getpid():
         return False
     if get_worker_info() is not None:  # a worker's rank reports for itself
         usage.owns_rank = False
         return True
     if waits.batches == 0:
-        return bool(usage.unflushed_samples)
+        return True
     epoch = usage.last_epoch
     report = _rank_report(counts, waits, epoch or 0, generations.generation)
     try:
