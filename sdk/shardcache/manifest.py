@@ -20,7 +20,12 @@ import numpy as np
 from shardcache.chunks import ChunkLayout, plan_chunks
 from shardcache.keys import chunk_key
 
-__all__ = ["ChunkItem", "Manifest", "ManifestWriter", "sample_hash"]
+__all__ = ["PREFIX_COLUMN", "ChunkItem", "Manifest", "ManifestWriter", "sample_hash"]
+
+# Marks a manifest published while its listing still ran: the listing's
+# first objects, cut at a chunk boundary (its value: how many). Its chunks
+# are the finished listing's chunks; more objects follow.
+PREFIX_COLUMN = "listing_prefix"
 
 ChunkItem = tuple[
     str, str, int
@@ -120,10 +125,13 @@ class Manifest:
         return cls.concat(protocol, [writer])
 
     @classmethod
-    def concat(cls, protocol: str, parts: Sequence[ManifestWriter]) -> Manifest:
+    def concat(
+        cls, protocol: str, parts: Sequence[ManifestWriter], *, clear: bool = True
+    ) -> Manifest:
         """The objects of ``parts``, one after another, as one manifest. Each
-        writer is emptied once copied, so a listing's peak is the manifest
-        plus one part, not two copies of everything."""
+        writer is emptied once copied (``clear``), so a listing's peak is the
+        manifest plus one part, not two copies of everything; a prefix
+        published while the listing runs keeps them (``clear=False``)."""
         n = sum(len(p) for p in parts)
         names = np.empty(sum(len(p.names) for p in parts), np.uint8)
         etags = np.empty(sum(len(p.etags) for p in parts), np.uint8)
@@ -151,7 +159,8 @@ class Manifest:
                 name_at + len(part.names),
                 etag_at + len(part.etags),
             )
-            part.clear()
+            if clear:
+                part.clear()
         return cls(
             protocol,
             {
@@ -163,6 +172,25 @@ class Manifest:
                 "hashes": hashes,
             },
         )
+
+    def head(self, n: int) -> Manifest:
+        """The first ``n`` objects (views of these columns; no chunks cut).
+
+        >>> m = Manifest.from_entries("file", ["/a", "/b", "/c"], [1, 2, 3], ["x", "y", "z"])
+        >>> h = m.head(2); len(h), h.url(1), h.etag(1), h.total_bytes
+        (2, '/b', 'y', 3)
+        """
+        names_end = int(self._name_offsets[n])
+        etags_end = int(self._etag_offsets[n])
+        columns = {
+            "names": self._names[:names_end],
+            "name_offsets": self._name_offsets[: n + 1],
+            "etags": self._etags[:etags_end],
+            "etag_offsets": self._etag_offsets[: n + 1],
+            "sizes": self.sizes[:n],
+            "hashes": self.hashes[:n],
+        }
+        return Manifest(self.protocol, columns)
 
     # -- the object-store form ------------------------------------------------------
     def to_object(self) -> dict[str, Any]:
@@ -203,6 +231,11 @@ class Manifest:
     def urls(self) -> list[str]:
         """Every URL (a Python list: for tools and tests, not the training path)."""
         return [self.url(i) for i in range(len(self))]
+
+    @property
+    def is_prefix(self) -> bool:
+        """Published while its listing still ran: more objects follow."""
+        return PREFIX_COLUMN in self.columns
 
     # -- whole-dataset views ----------------------------------------------------------
     @property

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
-from shardcache.manifest import Manifest
+from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES, plan_chunks
+from shardcache.manifest import PREFIX_COLUMN, Manifest
 from shardcache.packed_manifest import PackedManifest
 from shardcache_server.budget import budget_from_spec
 from shardcache_server.list_fanout import FanOut
@@ -42,7 +42,9 @@ __all__ = [
     "REFRESH_TOKEN_TTL_S",
     "BudgetSpec",
     "Listed",
+    "PrefixSink",
     "Listings",
+    "cut_prefix",
     "RayLister",
     "list_in_thread",
     "list_with_layout",
@@ -89,12 +91,109 @@ def listing_budget(settings: Any) -> BudgetSpec | None:
     }
 
 
+def _starts_for(
+    manifest: Manifest, previous: Manifest | None, spec: dict[str, Any]
+) -> np.ndarray:
+    """Chunk starts for ``manifest``: ``previous``'s when it lists the same
+    URLs, so a changed object changes only its own chunk's version (a new
+    size must not move every later chunk boundary), else planned."""
+    if (
+        isinstance(previous, Manifest)
+        and "chunk_starts" in previous.columns
+        and np.array_equal(
+            previous.columns["name_offsets"], manifest.columns["name_offsets"]
+        )
+        and np.array_equal(previous.columns["names"], manifest.columns["names"])
+    ):
+        return np.asarray(previous.columns["chunk_starts"], dtype=np.int64)
+    return np.asarray(
+        manifest.plan(
+            int(spec.get("chunk_bytes") or DEFAULT_CHUNK_BYTES),
+            int(spec.get("chunk_samples") or DEFAULT_CHUNK_SAMPLES),
+        ).starts,
+        dtype=np.int64,
+    )
+
+
+def cut_prefix(
+    prefix: Manifest,
+    previous: Manifest | None,
+    spec: dict[str, Any],
+    announced: np.ndarray | None = None,
+) -> Manifest | None:
+    """A listing's first objects as a manifest of whole chunks, or ``None``
+    while they make no whole chunk beyond ``announced`` (the chunk starts of
+    the prefix published before it).
+
+    Chunks are cut by buckets of the cumulative source bytes from the first
+    object and by runs of ``chunk_samples`` from each bucket's start, so the
+    chunks of a prefix are the finished listing's chunks except the last,
+    which may still grow: it is left out. Where ``previous`` listed the
+    same first URLs, its chunks are taken instead, as the finished listing
+    would (``_starts_for``). Either way every chunk announced stays
+    (:func:`_keep_announced`; :func:`list_with_layout` does the same for
+    the finished listing).
+    """
+    n = len(prefix)
+    starts: np.ndarray | None = None
+    if isinstance(previous, Manifest) and "chunk_starts" in previous.columns:
+        offsets = previous.columns["name_offsets"]
+        mine = prefix.columns["name_offsets"]
+        if (
+            len(previous) >= n
+            and np.array_equal(offsets[: n + 1], mine)
+            and np.array_equal(
+                previous.columns["names"][: int(mine[-1])], prefix.columns["names"]
+            )
+        ):
+            old = np.asarray(previous.columns["chunk_starts"], dtype=np.int64)
+            starts = old[old <= n]  # every chunk of previous inside the prefix
+    if starts is None:
+        starts = _starts_for(prefix, None, spec)[:-1]  # the last may still grow
+    starts = _keep_announced(starts, announced, prefix, spec, whole=False)
+    done = 0 if announced is None else int(announced[-1])
+    if len(starts) < 2 or int(starts[-1]) <= done:
+        return None
+    cut = prefix.head(int(starts[-1]))
+    cut.columns["chunk_starts"] = starts
+    for name, column in prefix.columns.items():
+        cut.columns.setdefault(name, column)  # where it was listed
+    return cut
+
+
+def _keep_announced(
+    starts: np.ndarray,
+    announced: np.ndarray | None,
+    manifest: Manifest,
+    spec: dict[str, Any],
+    *,
+    whole: bool = True,
+) -> np.ndarray:
+    """``starts``, unless they move a chunk ``announced`` (a published
+    prefix's, which ranks may have read): then the announced chunks, and the
+    rest planned from where they end (a ``previous`` listing matched the
+    prefix but not what followed). ``whole``: ``manifest`` is the finished
+    listing (else a prefix: its last planned chunk may still grow)."""
+    if announced is None or np.array_equal(starts[: len(announced)], announced):
+        return starts
+    end = int(announced[-1])
+    planned = plan_chunks(
+        manifest.sizes[end:],
+        int(spec.get("chunk_bytes") or DEFAULT_CHUNK_BYTES),
+        int(spec.get("chunk_samples") or DEFAULT_CHUNK_SAMPLES),
+    ).starts
+    rest = np.asarray(planned[1:] if whole else planned[1:-1], np.int64) + end
+    return np.concatenate([np.asarray(announced, np.int64), rest])
+
+
 def list_with_layout(
     spec: dict[str, Any],
     previous: Manifest | None,
     keeper: SpanKeeper | None = None,
     budget: BudgetSpec | None = None,
     fan_out: bool = False,
+    on_prefix: Callable[[Manifest], None] | None = None,
+    stream_after_s: float | None = None,
 ) -> Manifest:
     """List ``spec["urls"]`` and cut it into chunks.
 
@@ -105,6 +204,9 @@ def list_with_layout(
     :func:`listing_budget`): every LIST request takes a token of it.
     ``fan_out``: an S3 prefix with many sub-prefixes is listed by Ray tasks
     as well as this process (``list_fanout.py``); only inside Ray.
+    ``on_prefix``: receives prefixes of whole chunks while a listing that
+    runs longer than ``stream_after_s`` goes on (:func:`cut_prefix`); not
+    for packed formats, whose units are listed file by file.
 
     The manifest exists only once the whole source is listed: a listing
     that fails or dies halfway publishes nothing, and the next request for
@@ -115,35 +217,47 @@ def list_with_layout(
         return list_packed(spec, previous, keeper, source_budget)  # type: ignore[return-value]
     options = spec.get("storage_options") or {}
     spread = FanOut(options, budget) if fan_out else None
-    manifest = list_source(spec["urls"], options, source_budget, spread)
-    if (
-        isinstance(previous, Manifest)
-        and "chunk_starts" in previous.columns
-        and np.array_equal(
-            previous.columns["name_offsets"], manifest.columns["name_offsets"]
-        )
-        and np.array_equal(previous.columns["names"], manifest.columns["names"])
-    ):
-        starts = previous.columns["chunk_starts"]
-    else:
-        starts = manifest.plan(
-            int(spec.get("chunk_bytes") or DEFAULT_CHUNK_BYTES),
-            int(spec.get("chunk_samples") or DEFAULT_CHUNK_SAMPLES),
-        ).starts
+    announced: list[np.ndarray] = []  # the last published prefix's chunk starts
+    prefix_to = None
+    if on_prefix is not None:
+
+        def prefix_to(prefix: Manifest) -> None:
+            cut = cut_prefix(
+                prefix, previous, spec, announced[0] if announced else None
+            )
+            if cut is not None:
+                announced[:] = [cut.columns["chunk_starts"]]
+                on_prefix(cut)
+
+    manifest = list_source(
+        spec["urls"], options, source_budget, spread, prefix_to, stream_after_s
+    )
+    starts = _starts_for(manifest, previous, spec)
+    starts = _keep_announced(
+        starts, announced[0] if announced else None, manifest, spec
+    )
     manifest.columns["chunk_starts"] = np.asarray(starts, dtype=np.int64)
     return manifest
 
 
-Lister = Callable[[dict[str, Any], Any, int], Awaitable[Listed]]
+# A listing's prefixes as they are published: (reference, mapped manifest).
+PrefixSink = Callable[[Any, Manifest], None]
+Lister = Callable[[dict[str, Any], Any, int, PrefixSink | None], Awaitable[Listed]]
 
 _DONE = object()  # the listing thread finished (its result or error is in the job)
 
 
 def _list_task(
-    spec: dict[str, Any], previous: Any, room_bytes: int, budget: BudgetSpec | None
+    spec: dict[str, Any],
+    previous: Any,
+    room_bytes: int,
+    budget: BudgetSpec | None,
+    stream_after_s: float | None = None,
 ) -> Iterator[Any]:
     """The listing as a streaming task: yields each kept unit's bytes as it
-    is read, then the manifest object, then ``{digest, versions, report}``.
+    is read (packed formats) or each prefix of whole chunks (a manifest
+    object marked ``PREFIX_COLUMN``) as it is listed, then the manifest
+    object, then ``{digest, versions, report}``.
 
     Its per-object Python objects live and die in a worker process. What a
     generator task yields is owned by the caller (the store), so the spans
@@ -159,10 +273,20 @@ def _list_task(
         dict(spec.get("format_options") or {}),
     )
     versions, sizes = [], []
+
+    def prefix_out(prefix: Manifest) -> None:
+        found.put((None, {**prefix.to_object(), PREFIX_COLUMN: np.int64(len(prefix))}))
+
+    stream = None if spec.get("format") else prefix_out
     with ThreadPoolExecutor(1, thread_name_prefix="listing") as pool:
-        job = pool.submit(list_with_layout, spec, prev, keeper, budget, True)
+        job = pool.submit(
+            list_with_layout, spec, prev, keeper, budget, True, stream, stream_after_s
+        )
         job.add_done_callback(lambda _: found.put(_DONE))
         while (item := found.get()) is not _DONE:
+            if item[0] is None:  # a prefix: not a unit's bytes
+                yield item[1]
+                continue
             versions.append(item[0])
             sizes.append(len(item[1]))
             yield item[1]
@@ -182,10 +306,15 @@ class RayLister:
     a per-object Python object (1M objects listed in-process left ~200 B
     each of heap)."""
 
-    def __init__(self, node_id: str, budget: BudgetSpec | None = None):
+    def __init__(
+        self,
+        node_id: str,
+        budget: BudgetSpec | None = None,
+        stream_after_s: float | None = None,
+    ):
         import ray
 
-        self._budget = budget
+        self._budget, self._stream_after_s = budget, stream_after_s
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self._task = ray.remote(_list_task).options(
@@ -196,15 +325,32 @@ class RayLister:
         )
 
     async def __call__(
-        self, spec: dict[str, Any], previous: Any, room_bytes: int
+        self,
+        spec: dict[str, Any],
+        previous: Any,
+        room_bytes: int,
+        on_prefix: PrefixSink | None = None,
     ) -> Listed:
         import ray
 
         from shardcache.errors import ShardCacheError
 
-        task = self._task.remote(spec, previous, room_bytes, self._budget)
-        refs = [ref async for ref in task]
+        task = self._task.remote(
+            spec, previous, room_bytes, self._budget, self._stream_after_s
+        )
+        refs = []
         try:
+            async for ref in task:
+                if spec.get("format"):  # units' bytes: never fetched here
+                    refs.append(ref)
+                    continue
+                # A prefix, the manifest or the tail: small, or mapped anyway.
+                value = await ref
+                if isinstance(value, dict) and PREFIX_COLUMN in value:
+                    if on_prefix is not None:
+                        on_prefix(ref, Manifest.from_object(value))
+                    continue
+                refs.append(ref)
             tail = await refs[-1]
         except ray.exceptions.RayTaskError as exc:
             # A listing that found nothing or was refused is our own error
@@ -220,12 +366,28 @@ class RayLister:
 
 
 def list_in_thread(
-    put: Callable[[Any], Any], budget: BudgetSpec | None = None
+    put: Callable[[Any], Any],
+    budget: BudgetSpec | None = None,
+    stream_after_s: float | None = None,
 ) -> Lister:
     """A lister for tests without Ray: list in a thread, ``put`` the arrays."""
 
-    async def run(spec: dict[str, Any], previous: Any, room_bytes: int) -> Listed:
+    async def run(
+        spec: dict[str, Any],
+        previous: Any,
+        room_bytes: int,
+        on_prefix: PrefixSink | None = None,
+    ) -> Listed:
         prev = None if previous is None else Manifest.from_object(previous)
+        loop = asyncio.get_running_loop()
+
+        def prefix_out(prefix: Manifest) -> None:
+            marked = {**prefix.to_object(), PREFIX_COLUMN: np.int64(len(prefix))}
+            ref = put(marked)
+            if on_prefix is not None:
+                mapped = Manifest.from_object(marked)
+                loop.call_soon_threadsafe(on_prefix, ref, mapped)
+
         spans: dict[str, tuple[Any, int]] = {}
         lock = threading.Lock()
 
@@ -236,7 +398,10 @@ def list_in_thread(
 
         options = dict(spec.get("format_options") or {})
         keeper = SpanKeeper(room_bytes, keep, options)
-        listed = await asyncio.to_thread(list_with_layout, spec, prev, keeper, budget)
+        stream = None if spec.get("format") else prefix_out
+        listed = await asyncio.to_thread(
+            list_with_layout, spec, prev, keeper, budget, False, stream, stream_after_s
+        )
         return Listed(put(listed.to_object()), listed.digest, spans, keeper.report())
 
     return run
@@ -270,9 +435,22 @@ class Listings:
         self._tokens: dict[str, dict[str, tuple[float, str]]] = {}  # -> (start, digest)
         # dataset -> (the listing under way, when it began)
         self._inflight: dict[str, tuple[asyncio.Future[tuple[Any, str]], float]] = {}
+        # Prefixes published while listings ran (list_stream.py), by digest,
+        # with the start of their listing: kept apart from the finished
+        # listings (MANIFESTS_KEPT) and dropped once a later listing ends.
+        self._prefixes: dict[str, dict[str, tuple[Any, Manifest, float]]] = {}
+        # dataset -> (token, start) of the listing under way, and its latest
+        # prefix as (start of its listing, reference, digest)
+        self._listing: dict[str, tuple[str, float]] = {}
+        self._leading: dict[str, tuple[float, Any, str]] = {}
+        self._changed: dict[str, asyncio.Event] = {}  # a prefix or an end
 
     def held(self, dataset: str, digest: str) -> tuple[Any, Manifest] | None:
-        return self._held.get(dataset, {}).get(digest)
+        found = self._held.get(dataset, {}).get(digest)
+        if found is None:
+            prefix = self._prefixes.get(dataset, {}).get(digest)
+            found = None if prefix is None else (prefix[0], prefix[1])
+        return found
 
     async def adopt(self, dataset: str, digest: str, ref: Any) -> Manifest:
         """Keep a manifest another store published; returns it mapped."""
@@ -283,11 +461,71 @@ class Listings:
         if inspect.isawaitable(value):
             value = await value
         manifest = Manifest.from_object(value)
+        if manifest.is_prefix:
+            prefixes = self._prefixes.setdefault(dataset, {})
+            prefixes[digest] = (ref, manifest, time.time())
+            return manifest
+        if dataset not in self._inflight:
+            # Another store's prefixes: asked for again by digest if a rank
+            # still reads one (Manifests.by_digest).
+            self._prefixes.pop(dataset, None)
         kept = self._held.setdefault(dataset, {})
         kept[digest] = (ref, manifest)
         while len(kept) > MANIFESTS_KEPT:
             kept.pop(next(iter(kept)))
         return manifest
+
+    def _on_prefix(self, dataset: str, started: float) -> PrefixSink:
+        def keep(ref: Any, manifest: Manifest) -> None:
+            digest = manifest.digest
+            self._prefixes.setdefault(dataset, {})[digest] = (ref, manifest, started)
+            self._leading[dataset] = (started, ref, digest)
+            self._wake(dataset)
+
+        return keep
+
+    def _wake(self, dataset: str) -> None:
+        event = self._changed.pop(dataset, None)
+        if event is not None:
+            event.set()
+
+    def leading(self, dataset: str) -> tuple[Any, str] | None:
+        """The latest prefix of ``dataset``'s listing under way, if it published
+        one (``None`` once no listing runs)."""
+        if dataset not in self._inflight:
+            return None
+        lead = self._leading.get(dataset)
+        return None if lead is None else (lead[1], lead[2])
+
+    async def publish_early(
+        self, spec: dict[str, Any], token: str = ""
+    ) -> tuple[Any, str, Manifest]:
+        """As :meth:`publish`, but answers with the first prefix of whole
+        chunks when the listing that answers ``token`` publishes one before
+        it ends (a listing longer than ``stream_after_s``); the listing goes
+        on, and :meth:`leading` and :meth:`publish` give what follows."""
+        name = spec["name"]
+        arrived = time.time()
+        listing = asyncio.ensure_future(self.publish(spec, token))
+        # Answered early, its error is raised to the next caller, not here.
+        listing.add_done_callback(lambda f: f.cancelled() or f.exception())
+        while not listing.done():
+            lead, running = self._leading.get(name), self._listing.get(name)
+            # Only a prefix of the listing that answers this call: one begun
+            # after it (or this token's own, for another rank of the job).
+            if (
+                lead is not None
+                and running is not None
+                and lead[0] == running[1]
+                and (running[1] >= arrived or (token and running[0] == token))
+            ):
+                _, ref, digest = lead
+                return ref, digest, self.held(name, digest)[1]  # type: ignore[index]
+            event = self._changed.setdefault(name, asyncio.Event())
+            waiter = asyncio.ensure_future(event.wait())
+            await asyncio.wait({listing, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+        return listing.result()
 
     def published(self, dataset: str, token: str) -> tuple[Any, str] | None:
         """What this store published for ``token``: ``""``, its latest
@@ -348,8 +586,14 @@ class Listings:
         )
         started = time.time()
         self._inflight[name] = (fut, started)
+        self._listing[name] = (token, started)
         try:
-            listed = await self._lister(spec, self._latest_ref(name), self.spans.room())
+            listed = await self._lister(
+                spec,
+                self._latest_ref(name),
+                self.spans.room(),
+                self._on_prefix(name, started),
+            )
             ref, digest = listed.ref, listed.digest
             manifest = await self.adopt(name, digest, ref)
             self.spans.hold(
@@ -370,6 +614,11 @@ class Listings:
             self._published[name] = digest
             self._published_at[name] = started
             self._remember(name, token, started, digest)
+            # Earlier listings' prefixes are read by nobody new: this one's
+            # stay for the ranks still moving through them.
+            prefixes = self._prefixes.get(name, {})
+            for old in [d for d, p in prefixes.items() if p[2] < started]:
+                del prefixes[old]
             fut.set_result((ref, digest))
             return ref, digest, manifest
         except BaseException as exc:
@@ -378,3 +627,6 @@ class Listings:
             raise
         finally:
             self._inflight.pop(name, None)
+            self._listing.pop(name, None)
+            self._leading.pop(name, None)
+            self._wake(name)

@@ -35,6 +35,7 @@ from shardcache.errors import (
 from shardcache.manifest import Manifest, ManifestWriter
 from shardcache.source import open_remote
 from shardcache_server.list_pages import fast_pages, page_objects
+from shardcache_server.list_stream import STREAM_AFTER_S, LeadingPrefix, OnPrefix
 
 __all__ = [
     "LIST_CONCURRENCY",
@@ -145,12 +146,14 @@ class _Parts:
     def __init__(self) -> None:
         self.slots: list[ManifestWriter] = [ManifestWriter()]
         self.prefixes: list[tuple[str, int]] = []  # (sub-prefix, its slot)
+        self.done: set[int] = set()  # slots listed in full (list_stream.py)
 
     @property
     def here(self) -> ManifestWriter:
         return self.slots[-1]
 
     def prefix(self, path: str) -> None:
+        self.done.add(len(self.slots) - 1)  # this level's run before it ends
         self.prefixes.append((path, len(self.slots)))
         self.slots += [ManifestWriter(), ManifestWriter()]
 
@@ -171,6 +174,7 @@ def _scan(path: str) -> list[bytes]:
 # the same path may carry other mtimes (copied without -t) that are not
 # another version: its reads are checked by size, as before (a review).
 LISTED_ON = "listed_on"
+_HOST = np.frombuffer(socket.gethostname().encode(), np.uint8)
 
 
 def listed_here(columns: Any) -> bool:
@@ -490,22 +494,26 @@ async def _list_s3_async(
     url: str,
     budget: Any,
     fan_out: Any,
+    lead: LeadingPrefix | None = None,
 ) -> list[ManifestWriter]:
     bucket, _, key = root.partition("/")
     head = f"{protocol}://{bucket}/".encode()
     fs, client = await _open_s3(options)
+    parts = _Parts()
+    # Publishes the listed prefix while the rest is listed (list_stream.py).
+    watching = asyncio.ensure_future(lead.watch(parts)) if lead else None
     try:
         prefix = key.rstrip("/") + "/" if key else ""
-        parts = _Parts()
         sem = asyncio.Semaphore(LIST_CONCURRENCY)
 
         listed = [0]  # keys seen, filtered or not (nothing at all: not found)
 
-        async def one_prefix(sub: str, out: ManifestWriter) -> None:
+        async def one_prefix(sub: str, slot: int) -> None:
             async with sem:
                 listed[0] += await _list_prefix(
-                    client, bucket, sub, out, accept, url, budget
+                    client, bucket, sub, parts.slots[slot], accept, url, budget
                 )
+            parts.done.add(slot)
 
         async def elsewhere(group: list[tuple[str, int]]) -> None:
             # A group listed by another process: its CPU is not this one's.
@@ -513,6 +521,7 @@ async def _list_s3_async(
             outs, seen = await fan_out.list(bucket, subs, accept, url)
             for (_, slot), out in zip(group, outs, strict=True):
                 parts.slots[slot] = out
+                parts.done.add(slot)
             listed[0] += seen
 
         tasks, group = [], []
@@ -532,9 +541,7 @@ async def _list_s3_async(
                     group.append(parts.prefixes[-1])
                     if fan_out is None:
                         sub, slot = group.pop()
-                        tasks.append(
-                            asyncio.ensure_future(one_prefix(sub, parts.slots[slot]))
-                        )
+                        tasks.append(asyncio.ensure_future(one_prefix(sub, slot)))
                     elif len(parts.prefixes) >= 2 * fan_out.group:
                         while len(group) >= fan_out.group:
                             sent, group = (
@@ -547,11 +554,11 @@ async def _list_s3_async(
         if group and len(parts.prefixes) < 2 * fan_out.group:
             # Too few sub-prefixes to pay for other processes: listed here.
             tasks += [
-                asyncio.ensure_future(one_prefix(sub, parts.slots[slot]))
-                for sub, slot in group
+                asyncio.ensure_future(one_prefix(sub, slot)) for sub, slot in group
             ]
         elif group:
             tasks.append(asyncio.ensure_future(elsewhere(group)))
+        parts.done.add(len(parts.slots) - 1)  # this level's last run
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -569,6 +576,8 @@ async def _list_s3_async(
                 raise _not_found(url)
         return parts.slots
     finally:
+        if watching is not None:
+            watching.cancel()
         # The session's sockets closed now, not by a finaliser on another loop.
         await fs._s3creator.__aexit__(None, None, None)
 
@@ -581,6 +590,7 @@ def _list_s3(
     options: dict[str, Any],
     budget: Any,
     fan_out: Any = None,
+    lead: LeadingPrefix | None = None,
 ) -> list[ManifestWriter]:
     from fsspec.asyn import get_loop, sync
 
@@ -596,6 +606,7 @@ def _list_s3(
             url,
             budget,
             fan_out,
+            lead,
         )
     except (SourceNotFound, RemoteFetchError, ConfigError):
         raise
@@ -624,12 +635,13 @@ def _list_one(
     budget: Any,
     accept: Accept | None = None,
     fan_out: Any = None,
+    lead: LeadingPrefix | None = None,
 ) -> list[ManifestWriter]:
     if any(c in path for c in _GLOB_CHARS):
         path, accept = _glob_root(path)
     keep: Accept = accept or (lambda _p: True)
     if protocol in _S3:
-        return _list_s3(fs, path, keep, url, options, budget, fan_out)
+        return _list_s3(fs, path, keep, url, options, budget, fan_out, lead)
     if protocol in ("file", "local"):
         return _list_local(os.path.normpath(path) if path != "/" else path, keep, url)
     return _list_generic(fs, path, keep, url)
@@ -640,6 +652,8 @@ def list_source(
     storage_options: dict[str, Any] | None = None,
     budget: Any = None,
     fan_out: Any = None,
+    on_prefix: OnPrefix | None = None,
+    stream_after_s: float | None = None,
 ) -> Manifest:
     """List ``urls`` into a deterministic, sorted :class:`Manifest`.
 
@@ -657,6 +671,11 @@ def list_source(
             processes (:class:`~shardcache_server.list_fanout.FanOut`), so
             the parsing of a large listing uses more than one core.
             Defaults to ``None``: all in this process.
+        on_prefix: receives growing prefixes of the listing (its first
+            ``n`` objects) while the rest is listed, from a listing that runs
+            longer than ``stream_after_s`` (``list_stream.py``). One S3
+            prefix or glob only; other listings publish only their whole.
+            Defaults to ``None``: none.
 
     Raises:
         ConfigError: bad URL or scheme.
@@ -674,11 +693,22 @@ def list_source(
     protocol = url_list[0].split("://", 1)[0] if "://" in url_list[0] else "file"
     if isinstance(urls, str):
         _, path = open_remote(urls, options)
-        parts = _list_one(fs, path, urls, protocol, options, budget, None, fan_out)
+        lead = None
+        if on_prefix is not None:
+
+            def hand_out(prefix: Manifest) -> None:
+                prefix.columns[LISTED_ON] = _HOST
+                on_prefix(prefix)
+
+            after_s = STREAM_AFTER_S if stream_after_s is None else stream_after_s
+            lead = LeadingPrefix(protocol, hand_out, after_s)
+        parts = _list_one(
+            fs, path, urls, protocol, options, budget, None, fan_out, lead
+        )
         manifest = Manifest.concat(protocol, parts)
     else:
         manifest = _list_urls(fs, url_list, protocol, options, budget)
-    manifest.columns[LISTED_ON] = np.frombuffer(socket.gethostname().encode(), np.uint8)
+    manifest.columns[LISTED_ON] = _HOST
     if not len(manifest):
         if protocol in ("file", "local") and isinstance(urls, str):
             local = urls.split("://", 1)[-1]

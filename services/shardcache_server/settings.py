@@ -63,6 +63,9 @@ class ServiceSettings(BaseSettings):
         source_rps / source_burst: a cluster-wide request budget per source
             bucket, shared by every store through Redis and halved on 503
             SlowDown. ``0`` (the default) means no limit.
+        stream_after_s: a listing that runs longer publishes its first
+            whole chunks, and longer prefixes as it goes, so reading can
+            start before it ends (``list_stream.py``). Defaults to ``2``.
     """
 
     model_config = SettingsConfigDict(env_prefix="SHARDCACHE_", extra="ignore")
@@ -87,6 +90,7 @@ class ServiceSettings(BaseSettings):
     storage_options: dict[str, Any] = Field(default_factory=dict)
     source_rps: float = Field(default=0.0, ge=0)
     source_burst: int = Field(default=DEFAULT_SOURCE_BURST, ge=1)
+    stream_after_s: float = Field(default=2.0, ge=0)
 
     @field_validator("namespace")
     @classmethod

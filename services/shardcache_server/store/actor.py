@@ -14,7 +14,7 @@ from typing import Any
 
 from shardcache.errors import ConfigError
 from shardcache_server.builder import BuildRequest, RayChunkBuilder
-from shardcache_server.listing import Listed, RayLister, listing_budget
+from shardcache_server.listing import Listed, PrefixSink, RayLister, listing_budget
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.store.shard import CacheShard
 
@@ -70,10 +70,16 @@ class RayCacheShard(CacheShard):
         return await self._builder.build(req)
 
     async def _list_on_node(
-        self, spec: dict[str, Any], previous: Any, room_bytes: int
+        self,
+        spec: dict[str, Any],
+        previous: Any,
+        room_bytes: int,
+        on_prefix: PrefixSink | None = None,
     ) -> Listed:
-        lister = RayLister(self.node_id, listing_budget(self.settings))
-        return await lister(spec, previous, room_bytes)
+        lister = RayLister(
+            self.node_id, listing_budget(self.settings), self.settings.stream_after_s
+        )
+        return await lister(spec, previous, room_bytes, on_prefix)
 
 
 def start_shard(settings: ServiceSettings, node_id: str) -> Any:

@@ -56,10 +56,18 @@ class Manifests:
         self._listed_on: dict[str, str] = {}
 
     async def published(
-        self, name: str, spec: dict[str, Any], token: str, *, forwarded: bool
+        self,
+        name: str,
+        spec: dict[str, Any],
+        token: str,
+        *,
+        forwarded: bool,
+        early: bool = False,
     ) -> list[Any]:
         """``[reference, digest]`` of the dataset's published manifest:
-        listed here if this store holds (or wins) the claim, else the holder's."""
+        listed here if this store holds (or wins) the claim, else the holder's.
+        ``early``: a prefix of the listing may answer while it still runs
+        (``Listings.publish_early``; the manifest says ``is_prefix``)."""
         index = self._records.index
         assert index is not None
         mine = self.listings.published(name, token)
@@ -71,22 +79,47 @@ class Manifests:
                 record = await asyncio.to_thread(index.manifest_record, name)
                 holder = record.get("owner", "")
                 if holder and holder != self.me:
-                    found = await self._from(holder, spec, token)
+                    found = await self._from(holder, spec, token, early)
                     if found is not None:
                         return found
                 holder = await asyncio.to_thread(
                     index.claim_manifest, name, holder, self.me
                 )
                 if holder != self.me:  # another store won the race: it lists
-                    found = await self._from(holder, spec, token)
+                    found = await self._from(holder, spec, token, early)
                     if found is not None:
                         return found
                     await asyncio.to_thread(index.claim_manifest, name, holder, self.me)
             except BackendError:
                 self._records.dirty = True  # Redis down: list here, at worst twice
-        ref, digest, manifest = await self.listings.publish(spec, token)
-        await self._publish(name, digest, manifest)
+        if early:
+            ref, digest, manifest = await self.listings.publish_early(spec, token)
+        else:
+            ref, digest, manifest = await self.listings.publish(spec, token)
+        if not manifest.is_prefix:
+            await self._publish(name, digest, manifest)
         return [ref, digest]
+
+    async def leading(self, name: str) -> list[Any]:
+        """``[reference, digest]`` of the latest prefix of ``name``'s listing
+        still under way, ``[]`` once it ended (then ``published`` answers):
+        asked of the store that lists it, which the others ask in turn."""
+        found = self.listings.leading(name)
+        if found is not None:
+            return [found[0], found[1]]
+        holder = self._listed_on.get(name)
+        handle = self._peer(holder) if holder and holder != self.node_id else None
+        if handle is None:
+            return []
+        try:
+            got = await handle.leading.remote(name)
+        except Exception as exc:  # the holder died: its listing with it
+            if type(exc).__module__.split(".")[0] != "ray":
+                raise
+            return []
+        if got:
+            await self.listings.adopt(name, got[1], got[0])
+        return list(got)
 
     def held_ref(self, dataset: str, digest: str) -> list[Any]:
         """``[reference]`` of a manifest this store holds, or ``[]``."""
@@ -104,13 +137,15 @@ class Manifests:
         self.listings.spans.drop(dataset)
 
     async def _from(
-        self, holder: str, spec: dict[str, Any], token: str
+        self, holder: str, spec: dict[str, Any], token: str, early: bool = False
     ) -> list[Any] | None:
         handle = self._peer(holder.split("/", 1)[0])
         if handle is None:
             return None
         try:
-            ref, digest = await handle.manifest.remote(spec, token, forwarded=True)
+            ref, digest = await handle.manifest.remote(
+                spec, token, forwarded=True, early=early
+            )
         except Exception as exc:  # the holder died: whoever asks next lists
             if type(exc).__module__.split(".")[0] != "ray":
                 raise

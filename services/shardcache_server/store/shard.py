@@ -103,7 +103,10 @@ class CacheShard:
             self._records,
             peer=peer,
             get=get,
-            lister=lister or list_in_thread(put, listing_budget(self.settings)),
+            lister=lister
+            or list_in_thread(
+                put, listing_budget(self.settings), self.settings.stream_after_s
+            ),
             span_budget_bytes=int(self.settings.cache_bytes * SPAN_BUDGET_SHARE),
         )
         self._spill = (
@@ -299,18 +302,34 @@ class CacheShard:
         return [dict(ds.spec), ds.preprocess, ds.target]
 
     async def manifest(
-        self, spec: dict[str, Any], token: str = "", *, forwarded: bool = False
+        self,
+        spec: dict[str, Any],
+        token: str = "",
+        *,
+        forwarded: bool = False,
+        early: bool = False,
     ) -> list[Any]:
         """``[reference, digest]`` of the dataset's published manifest.
 
         Listed once per cluster: the store holding the claim in Redis lists
         (again for each new refresh ``token``; ``""`` takes any listing);
         every other store forwards to it. The reference is wrapped in a list
-        so Ray hands it over unresolved.
+        so Ray hands it over unresolved. ``early``: a listing that runs
+        longer than ``stream_after_s`` may answer with its first whole
+        chunks (a manifest whose ``is_prefix`` is true); :meth:`leading`
+        gives the longer prefixes that follow and, once it ends, this
+        method the whole listing.
         """
         self._ensure_started()
         name = keys.validate_name("dataset name", spec["name"])
-        return await self._manifests.published(name, spec, token, forwarded=forwarded)
+        return await self._manifests.published(
+            name, spec, token, forwarded=forwarded, early=early
+        )
+
+    async def leading(self, dataset: str) -> list[Any]:
+        """``[reference, digest]`` of the longest prefix published so far by
+        ``dataset``'s listing under way, ``[]`` when none runs."""
+        return await self._manifests.leading(dataset)
 
     async def take_span(self, dataset: str, version: str) -> list[Any]:
         """``[reference]`` of the bytes this store's listing kept for unit
