@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -22,13 +23,15 @@ from torch.utils.data import Dataset
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES
 from shardcache.decoders import as_arrays
 from shardcache.embedded import joins_embedded_head
-from shardcache.errors import ConfigError, SampleIndexError
+from shardcache.errors import ConfigError, IndexUnavailable, SampleIndexError
 from shardcache.fingerprint import fingerprint as object_fingerprint
 from shardcache.generations import Generations, open_listing
 from shardcache.job import resolve_job
+from shardcache.listing_feed import POLL_S, ListingFeed
 from shardcache.loader import BatchLoader
 from shardcache.resume import gather_states, merge_states
 from shardcache.sampler import ShardSampler, check_order
+from shardcache.segments import GrowingListing
 from shardcache.session import RankSession
 from shardcache.slot import SessionSlot
 from shardcache.source import check_local_paths
@@ -236,7 +239,11 @@ class DistributedCachedDataset(Dataset[Any]):
             # The embedded head's stores see exactly this machine's files: a
             # path that is not here fails now, not after a head start (10-25 s).
             check_local_paths(urls)
-        manifest, digest = open_listing(client, spec, self._job.id)
+        # A listing that runs long answers with its first whole chunks: the
+        # first epoch reads them while the rest is listed (segments.py). The
+        # global shuffle needs every object first.
+        early = shuffle != "global"
+        manifest, digest = open_listing(client, spec, self._job.id, early=early)
         self.spec = spec.settle(manifest)
         self._sampler = ShardSampler(
             manifest.layout.sizes(),
@@ -246,7 +253,13 @@ class DistributedCachedDataset(Dataset[Any]):
             seed=seed,
             drop_last=drop_last,
             shuffle_block=shuffle_block or 0,
+            listing=GrowingListing(manifest.prefix_ends, not manifest.is_prefix),
         )
+        self._feed: ListingFeed | None = None
+        if manifest.is_prefix:
+            token = spec.open_token(self._job.id)
+            self._feed = ListingFeed(client, self.spec, token, manifest, digest)
+            self._sampler.follow(self._grow)
         # Set by a resume that crossed a source change (on_change="new_listing").
         self._resumed_across: dict[str, Any] | None = None
         self._generations = Generations(self.spec, digest)
@@ -330,10 +343,50 @@ class DistributedCachedDataset(Dataset[Any]):
         # shard, not guess the world on their own (no process group there).
         with contextlib.suppress(ConfigError):  # unknowable yet is fine
             self._sampler.rank  # noqa: B018 (resolves the world)
-        return self.__dict__.copy()  # the slot leaves its session behind
+        # The slot leaves its session behind; workers follow a growing
+        # listing through the epoch board, never by a feed of their own.
+        return {**self.__dict__, "_feed": None}
+
+    def _grow(self, wait: bool) -> None:
+        """More of a listing the stores are still listing (the sampler asks,
+        ``wait``ing when it has nothing left to hand out): the sampler, this
+        process's session, the stores and the DataLoader workers move to it."""
+        feed = self._feed
+        if feed is None:
+            return
+        # What the feed holds is applied first (a move cut short by an error).
+        if feed.digest == self._generations.digest and not (
+            feed.wait() if wait else feed.poll()
+        ):
+            return
+        manifest, digest = feed.manifest, feed.digest
+        self._sampler.extend(
+            manifest.layout.sizes(), manifest.prefix_ends, feed.complete
+        )
+        self._generations.digest = digest
+        session = self._here()
+        session.use_listing(manifest, digest, [])
+        session.announce()  # this rank's DataLoader workers follow it
+        if feed.complete:
+            self._feed = None
+            with contextlib.suppress(IndexUnavailable):  # counted when read again
+                self._generations.register(session.client.index, manifest)
+
+    def _reach(self, index: int) -> None:
+        """A listing still growing: follow it until it holds ``index`` or ends
+        (a DataLoader worker follows its rank through the epoch board)."""
+        while index >= self._sampler.n and not self._sampler.listing.complete:
+            session = self._here()
+            if session.follows_board:
+                session.follow_board()
+                if index >= self._sampler.n:
+                    time.sleep(POLL_S)  # the rank posts the listing it moved to
+            else:
+                self._sampler.wait_more()
 
     # -- Dataset protocol -----------------------------------------------------------
     def __len__(self) -> int:
+        self._sampler.wait_whole()  # a listing still growing: its end
         return self._sampler.n
 
     @property
@@ -401,11 +454,14 @@ class DistributedCachedDataset(Dataset[Any]):
                 f"such as {idx.flat[0]!r}."
             )
         idx = idx.astype(np.int64, copy=False)
-        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
-            bad = int(idx[(idx < 0) | (idx >= len(self))][0])
+        if idx.size and idx.max() >= self._sampler.n:
+            self._reach(int(idx.max()))
+        n = self._sampler.n  # listed so far: all of it, once the listing ended
+        if idx.size and (idx.min() < 0 or idx.max() >= n):
+            bad = int(idx[(idx < 0) | (idx >= n)][0])
             raise SampleIndexError(
                 f"sample index {bad} is out of range for a dataset of "
-                f"{len(self)} samples (a batch takes indices 0 to {len(self) - 1})."
+                f"{n} samples (a batch takes indices 0 to {n - 1})."
             )
         return idx
 
@@ -465,6 +521,7 @@ class DistributedCachedDataset(Dataset[Any]):
         Raises:
             ConfigError: objects were added or removed (the shards would move).
         """
+        self._sampler.wait_whole()  # a refresh re-lists the whole listing
         session = self._here()
         old = (
             session.attach().manifest if session.manifest is None else session.manifest

@@ -25,6 +25,7 @@ from shardcache.errors import (
     StaleVersionError,
 )
 from shardcache.fingerprint import log_new_generation
+from shardcache.listing_feed import extends
 from shardcache.manifest import Manifest
 from shardcache.packed_manifest import PackedManifest
 
@@ -50,9 +51,13 @@ def layout_digest(sizes: np.ndarray) -> str:
     return hashlib.sha1(raw).hexdigest()[:16]
 
 
-def open_listing(client: Any, spec: DatasetSpec, job: str) -> tuple[Manifest, str]:
+def open_listing(
+    client: Any, spec: DatasetSpec, job: str, *, early: bool = False
+) -> tuple[Manifest, str]:
     """The listing a new dataset starts on (one per job, unless ``revalidate``
-    says otherwise), mapped, and its digest.
+    says otherwise), mapped, and its digest. ``early``: a listing that runs
+    long may answer with its first whole chunks (``Manifest.is_prefix``;
+    :class:`~shardcache.listing_feed.ListingFeed` follows the rest).
 
     Raises:
         RemoteFetchError, ShardUnavailable: the source could not be listed
@@ -60,7 +65,7 @@ def open_listing(client: Any, spec: DatasetSpec, job: str) -> tuple[Manifest, st
     """
     token = spec.open_token(job)
     try:
-        ref, digest = client.manifest(spec.listing(), token)
+        ref, digest = client.manifest(spec.listing(), token, early=early)
     except RemoteFetchError as exc:
         if not token.startswith("open/"):
             raise
@@ -218,7 +223,10 @@ class Generations:
 def _object_changes(
     old: Manifest, new: Manifest, source: str
 ) -> tuple[list[str], list[int]]:
-    """One object per sample: the same names, some ETags changed."""
+    """One object per sample: the same names, some ETags changed; or the
+    listing grew (a DataLoader worker follows its rank to a longer prefix)."""
+    if old.is_prefix and extends(new, old):
+        return [], []
     if not (
         np.array_equal(old.columns["name_offsets"], new.columns["name_offsets"])
         and np.array_equal(old.columns["names"], new.columns["names"])

@@ -20,12 +20,22 @@ import numpy as np
 from shardcache.chunks import ChunkLayout, plan_chunks
 from shardcache.keys import chunk_key
 
-__all__ = ["PREFIX_COLUMN", "ChunkItem", "Manifest", "ManifestWriter", "sample_hash"]
+__all__ = [
+    "PREFIX_COLUMN",
+    "PREFIX_ENDS",
+    "ChunkItem",
+    "Manifest",
+    "ManifestWriter",
+    "sample_hash",
+]
 
 # Marks a manifest published while its listing still ran: the listing's
 # first objects, cut at a chunk boundary (its value: how many). Its chunks
 # are the finished listing's chunks; more objects follow.
 PREFIX_COLUMN = "listing_prefix"
+# The length of every prefix a listing published, in order (on each prefix
+# and on the finished listing): where its first epoch's segments end.
+PREFIX_ENDS = "prefix_ends"
 
 ChunkItem = tuple[
     str, str, int
@@ -236,6 +246,12 @@ class Manifest:
     def is_prefix(self) -> bool:
         """Published while its listing still ran: more objects follow."""
         return PREFIX_COLUMN in self.columns
+
+    @property
+    def prefix_ends(self) -> np.ndarray:
+        """The lengths of the prefixes its listing published while it ran
+        (empty for a listing that published only its whole)."""
+        return np.asarray(self.columns.get(PREFIX_ENDS, ()), dtype=np.int64)
 
     # -- whole-dataset views ----------------------------------------------------------
     @property

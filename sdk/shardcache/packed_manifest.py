@@ -325,6 +325,14 @@ class PackedManifest:
     def total_bytes(self) -> int:
         return int(self.columns["unit_bytes"].sum())
 
+    # Packed files are listed file by file, never published before the end
+    # (listing.list_with_layout): never a prefix, no segments.
+    is_prefix = False
+
+    @property
+    def prefix_ends(self) -> np.ndarray:
+        return np.zeros(0, dtype=np.int64)
+
     @property
     def digest(self) -> str:
         if self._digest is None:

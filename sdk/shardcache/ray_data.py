@@ -255,6 +255,7 @@ def _plan_of(ds: DistributedCachedDataset) -> _ReadPlan:
     """The read plan of ``ds``: its store spec and chunk items, put once."""
     import ray
 
+    ds.sampler.wait_whole()  # a listing still being listed: all of it
     manifest = ds.manifest
     layout = manifest.layout
     spec = {k: v for k, v in ds._session.store_spec().items() if k != "order"}

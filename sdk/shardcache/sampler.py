@@ -36,6 +36,7 @@ from shardcache.resume import (
     plan_resume,
     world_shards,
 )
+from shardcache.segments import GrowingListing
 from shardcache.sharding import (
     epoch_number,
     epoch_order,
@@ -124,6 +125,10 @@ class ShardSampler(DistributedSampler[int]):
         shuffle_block: with the shard shuffle, shuffle chunk blocks of about
             this many samples instead of the whole shard (0: the whole shard);
             see :func:`~shardcache.sharding.block_shuffle`. Defaults to ``0``.
+        listing: a listing the stores still list (``chunk_sizes`` are its
+            first chunks; :meth:`extend` adds the rest): its first epoch is
+            read segment by segment (:mod:`shardcache.segments`). Defaults
+            to a whole listing.
     """
 
     def __init__(
@@ -136,6 +141,7 @@ class ShardSampler(DistributedSampler[int]):
         seed: int = 0,
         drop_last: bool = False,
         shuffle_block: int = 0,
+        listing: GrowingListing | None = None,
     ):
         check_order(rank, world_size, shuffle, shuffle_block, seed, drop_last)
         self.sizes = np.asarray(chunk_sizes, dtype=np.int64)
@@ -159,6 +165,78 @@ class ShardSampler(DistributedSampler[int]):
         self._resumed: dict[str, Any] | None = None
         self._basis: dict[str, Any] | None = None  # see resume.world_shards
         self._order_cache: tuple[int, np.ndarray] | None = None
+        self.listing = listing or GrowingListing()
+        # Asks the dataset for more of a listing still growing (``True``:
+        # wait for it); bound like the hooks, never pickled.
+        self._grow: Callable[[bool], None] | None = None
+
+    # -- a listing still growing ------------------------------------------------------
+    def extend(
+        self, chunk_sizes: Sequence[int] | np.ndarray, ends: Any, complete: bool
+    ) -> None:
+        """The listing grew to ``chunk_sizes`` (its earlier chunks unchanged)."""
+        self.sizes = np.asarray(chunk_sizes, dtype=np.int64)
+        self.n = int(np.sum(self.sizes))
+        self._layout = ChunkLayout.from_sizes(self.sizes)
+        self.listing.grew(ends, complete)
+        self._order_cache = None
+        if complete and self._derived is not None:
+            self._cut(self._derived)
+
+    def wait_whole(self) -> None:
+        """Return once the listing is whole (at once for almost every one).
+
+        Raises:
+            ConfigError: the listing is still growing and this copy of the
+                sampler cannot follow it (a pickled copy).
+        """
+        while not self.listing.complete:
+            if self._grow is None:
+                raise ConfigError(
+                    "this copy of the sampler was made while its listing was "
+                    "still being listed and cannot wait for the rest; use the "
+                    "dataset's own sampler (ds.sampler)."
+                )
+            self._grow(True)
+
+    def follow(self, grow: Callable[[bool], None] | None) -> None:
+        """Ask ``grow(wait)`` for more of a listing still growing (the dataset's hook)."""
+        self._grow = grow
+
+    def use_segments(self, ends: Sequence[int] | None) -> None:
+        """The first epoch's segments a saved state read (``None``: none)."""
+        self.listing.use_ends(ends)
+        self._order_cache = None
+
+    def _segmented(self, epoch: int) -> bool:
+        """``epoch`` is the first of a listing read while it was listed."""
+        return (
+            epoch == 0
+            and self.mode == "shard"
+            and self.listing.is_segmented
+            and not (self._resumed is not None and self._resumed["epoch"] == 0)
+        )
+
+    def _segment_orders(self) -> list[np.ndarray]:
+        return self.listing.orders(
+            self._layout,
+            self.world_size,
+            self.rank,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
+            block_samples=self.block,
+        )
+
+    def known_order(self) -> np.ndarray:
+        """The current epoch's order as far as it is known: all of it, except
+        in the first epoch of a listing still growing (its segments so far).
+        For look-ahead and checks, never to count an epoch."""
+        self._resolve()
+        if not self._segmented(self.epoch) or self.listing.complete:
+            return self.order()
+        orders = self._segment_orders()
+        return np.concatenate(orders) if orders else np.zeros(0, np.int64)
 
     # -- the world, read at first use -------------------------------------------------
     def bind(
@@ -173,7 +251,7 @@ class ShardSampler(DistributedSampler[int]):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_on_epoch=None, _on_world=None, _order_cache=None)
+        state.update(_on_epoch=None, _on_world=None, _order_cache=None, _grow=None)
         return state
 
     def _resolve(self) -> World:
@@ -187,14 +265,21 @@ class ShardSampler(DistributedSampler[int]):
     def _derive(self, world: World) -> None:
         self._derived = world
         self._order_cache = None
+        self._cut(world)
+        if self._on_world is not None:
+            self._on_world(world)
+
+    def _cut(self, world: World) -> None:
+        """The stable shard and the epoch's length, from the whole listing
+        (a listing still growing is cut once whole: :meth:`extend`)."""
+        if not self.listing.complete:
+            return
         if self.mode == "shard":
             self._set_shard()
         else:
             w = world.world_size
             self._shard = np.arange(self.n)
             self._num_samples = self.n // w if self.drop_last else -(-self.n // w)
-        if self._on_world is not None:
-            self._on_world(world)
 
     def _check_world(self) -> None:
         """At an epoch's start: follow a process group started since the world
@@ -219,6 +304,7 @@ class ShardSampler(DistributedSampler[int]):
     def shard(self) -> np.ndarray:
         """This rank's stable shard (ascending sample indices)."""
         self._resolve()
+        self.wait_whole()
         return self._shard
 
     @property
@@ -230,6 +316,9 @@ class ShardSampler(DistributedSampler[int]):
     def num_samples(self) -> int:
         """Samples per rank this epoch (the longest rank's, unless drop_last)."""
         self._resolve()
+        self.wait_whole()
+        if self._segmented(self.epoch):
+            return self.listing.length(self._layout, self.world_size, self.drop_last)
         return self._num_samples
 
     @property
@@ -237,6 +326,8 @@ class ShardSampler(DistributedSampler[int]):
         return self.num_samples * self.world_size
 
     def _set_shard(self) -> None:
+        if not self.listing.complete:
+            return  # cut once the listing is whole (extend)
         shards = world_shards(self.sizes, self.world_size, self.seed, self._basis)
         self._shard = shards[self.rank]
         sizes = [len(s) for s in shards]
@@ -299,8 +390,8 @@ class ShardSampler(DistributedSampler[int]):
         Raises:
             ShardedTwiceError: a trainer split this rank's loader over the ranks again.
         """
-        if self._audit.is_done:
-            return
+        if self._audit.is_done or not self.listing.complete:
+            return  # (a copy made while the listing grew checks once it is whole)
         info = get_worker_info()
         self._audit.check(
             self.order(),
@@ -318,11 +409,15 @@ class ShardSampler(DistributedSampler[int]):
         Computed once per epoch: the prefetcher asks for it on every batch.
         """
         self._resolve()
+        self.wait_whole()
         e = self.epoch if epoch is None else epoch
         cached = self._order_cache
         if cached is not None and cached[0] == e:
             return cached[1]
-        order = self._compute_order(e)
+        if self._segmented(e):
+            order = np.concatenate(self._segment_orders())
+        else:
+            order = self._compute_order(e)
         order.flags.writeable = False
         self._order_cache = (e, order)
         return order
@@ -370,6 +465,13 @@ class ShardSampler(DistributedSampler[int]):
                     f"state has {key}={merged.get(key)!r} but this sampler has "
                     f"{mine!r}; resume with the same settings."
                 )
+        if merged.get("segments"):
+            raise ConfigError(
+                "state was saved in the first epoch of a listing read while it "
+                "was still listed (its order goes by segments): resume it at "
+                f"the world size it was saved at ({merged.get('world_size')}), "
+                "or from a state saved in a later epoch."
+            )
         plan = plan_resume(self.sizes, merged, self.world_size, nodes)
         epoch = int(merged["epoch"])
         if nodes is not None and self.mode == "shard":
@@ -432,9 +534,40 @@ class ShardSampler(DistributedSampler[int]):
         # index is asked for, so an iterator made and dropped by a loader's
         # restore does not consume the resume. ~40 ns per index.
         start = self._begin_pass()
+        if self._segmented(self.epoch) and not self.listing.complete:
+            yield from self._iterate_segments(start)
+            return
         for i in self.order()[start:].tolist():
             self._yielded += 1
             yield i
+
+    def _iterate_segments(self, start: int) -> Iterator[int]:
+        """The first epoch of a listing still growing: each segment as soon
+        as it is listed, waiting only when none is left to read."""
+        at, number = 0, 0
+        while True:
+            orders = self._segment_orders()
+            if number < len(orders):
+                order = orders[number]
+                number += 1
+                skip = min(max(start - at, 0), len(order))
+                at += len(order)
+                if number == len(orders) and self._grow is not None:
+                    self._grow(False)  # a longer prefix, if one came: no wait
+                for i in order[skip:].tolist():
+                    self._yielded += 1
+                    yield i
+            elif self.listing.complete:
+                return
+            else:
+                self.wait_more()
+
+    def wait_more(self) -> None:
+        """Wait for the listing to grow (a longer prefix or its end)."""
+        if self._grow is None:
+            self.wait_whole()  # raises the copy's error
+            return
+        self._grow(True)
 
     def handed_out(self) -> int:
         """Indices this process's iteration of the current epoch handed out,
@@ -452,6 +585,7 @@ class ShardSampler(DistributedSampler[int]):
         return ShardBatchSampler(self, batch_size, drop_last)
 
     def state(self) -> dict[str, Any]:
+        self.wait_whole()
         resumed = self._resumed
         if resumed is not None and resumed["epoch"] != self.epoch:
             resumed = None
@@ -468,6 +602,11 @@ class ShardSampler(DistributedSampler[int]):
             "resumed_from": resumed["merged"] if resumed else None,
             "plan_nodes": resumed["nodes"] if resumed else None,
             "basis": self._basis,
+            # The first epoch of a listing read while it was listed: its
+            # order is a function of these prefix ends, kept for the resume.
+            "segments": self.listing.ends.tolist()
+            if self._segmented(self.epoch)
+            else None,
         }
 
     # -- torchdata Stateful protocol ------------------------------------------------------

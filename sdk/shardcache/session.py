@@ -215,6 +215,15 @@ class RankSession:
             return ""
         return f"{self.job.id}:{self.sampler.epoch}"
 
+    @property
+    def follows_board(self) -> bool:
+        """This process is a DataLoader worker: it follows its rank's posts."""
+        return get_worker_info() is not None
+
+    def follow_board(self) -> None:
+        """:meth:`_follow_board` now, outside a batch."""
+        self._follow_board(self.attach())
+
     def _follow_board(self, reader: ChunkReader) -> None:
         """In a DataLoader worker, before each batch: what the rank posted
         since the last one. A new reading is a new epoch here too (a
@@ -254,6 +263,13 @@ class RankSession:
         """Read ``manifest`` from now on (a refresh): chunks built from changed
         objects are dropped and the stores learn the new listing."""
         self.manifest = manifest
+        if not self.sampler.listing.complete:
+            # A DataLoader worker's copy of the sampler, following its rank
+            # to a longer prefix of a listing still being listed.
+            sampler = self.sampler
+            sampler.extend(
+                manifest.layout.sizes(), manifest.prefix_ends, not manifest.is_prefix
+            )
         if self.reader is not None:
             self.reader.set_manifest(manifest, digest)
             self.reader.drop_chunks(stale)
@@ -389,7 +405,7 @@ class RankSession:
     def _look_ahead(self, reader: ChunkReader) -> None:
         prefetch_batches = self.spec.config.prefetch_batches
         if prefetch_batches:
-            order = self.sampler.order()
+            order = self.sampler.known_order()
             # The next batches' rows in mapped disk-tier files: read from the
             # disk while this batch is used (a page cache smaller than the
             # data would otherwise fault them in one by one in the gather).
@@ -417,6 +433,7 @@ class RankSession:
             self._prefetched_to = (key, max(end, start))
         if (
             not self.epoch_reported
+            and self.sampler.listing.complete  # (else the epoch's end is not known)
             and self.cursor >= len(self.sampler)
             and get_worker_info() is None  # a worker sees only part of it
         ):

@@ -140,7 +140,7 @@ class SessionSlot:
         if epoch == self.epoch_started and self.session.waits.batches == 0:
             return  # both set_epoch calls of one epoch, or a repeat: once
         self.epoch_started = epoch
-        self.sampler.order()  # computed now, not inside the first batch's wait
+        self.sampler.known_order()  # computed now, not inside the first batch's wait
         session = self.session  # the world is known now (a fresh one, maybe)
         session.start_epoch(resuming)  # reports last epoch's numbers first
         self.generations.renew()
@@ -223,6 +223,7 @@ class SessionSlot:
         the session at the rest of the saved epoch; returns what a resume
         across a source change crossed (``None`` when it crossed none)."""
         check_on_change(on_change)
+        self.sampler.wait_whole()  # a state is of the whole listing
         # The world first: resolving it may renew the session (a dataset
         # built before the process group), and the count must reach the
         # session that reads next, not the one it replaced.

@@ -58,6 +58,9 @@ class FaultPlan:
             continuation can be tested.
         list_latency_s: added before every LIST response (a stated
             per-request latency for listing benchmarks).
+        list_page_keys: the most keys a LIST page answers (S3 may answer
+            fewer than ``MaxKeys``), ``0`` for ``MaxKeys``: a small
+            listing with as many pages as a large one.
         seed: the random stream deciding which requests fail.
     """
 
@@ -73,6 +76,7 @@ class FaultPlan:
     stall_s: float = 0.0
     list_error_rate: float = 0.0
     list_latency_s: float = 0.0
+    list_page_keys: int = 0
     seed: int = 0
 
 
@@ -170,6 +174,37 @@ def _synthetic_page(
         [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))],
     )
     return [body]
+
+
+def _synthetic_object(path: str, start_response: StartResponse) -> list[bytes]:
+    """A synthetic bucket's object: ``SYNTHETIC_SIZE`` bytes of its index
+    (its listed ETag is no MD5 of them: read it with checksums off).
+
+    >>> got = []
+    >>> body = _synthetic_object("/synthetic-9/d00000/s000000007.bin", lambda *a: got.append(a))
+    >>> len(body[0]), body[0][:9], got[0][0]
+    (100, b'000000007', '200 OK')
+    """
+    index = path.rsplit("/s", 1)[-1].removesuffix(".bin")
+    body = (index.encode() * (SYNTHETIC_SIZE // max(len(index), 1) + 1))[:SYNTHETIC_SIZE]
+    start_response(
+        "200 OK",
+        [("Content-Type", "application/octet-stream"),
+         ("Content-Length", str(len(body))), ("ETag", f'"{int(index):032x}"')],
+    )  # fmt: skip
+    return [body]
+
+
+def _capped(query: str, most: int) -> str:
+    """A ListObjectsV2 query asking for at most ``most`` keys.
+
+    >>> _capped("list-type=2&max-keys=1000&prefix=a", 250)
+    'list-type=2&max-keys=250&prefix=a'
+    """
+    params = [p for p in query.split("&") if not p.startswith("max-keys=")]
+    asked = [int(p[9:]) for p in query.split("&") if p.startswith("max-keys=")]
+    keys = min([most, *asked])
+    return "&".join([*params[:1], f"max-keys={keys}", *params[1:]])
 
 
 def _object_path(environ: Environ) -> str:
@@ -328,6 +363,8 @@ class S3Emulator:
             if is_list:
                 if plan.list_latency_s:
                     time.sleep(plan.list_latency_s)
+                if plan.list_page_keys:
+                    environ["QUERY_STRING"] = _capped(query, plan.list_page_keys)
                 if list_fails:
                     return self._error(plan.error_status, start_response)
                 if path.startswith("/" + SYNTHETIC_BUCKET):
@@ -343,6 +380,8 @@ class S3Emulator:
                 return self._error(plan.error_status, start_response)
             if truncate:
                 return self._truncated(app, environ, start_response)
+            if path.startswith("/" + SYNTHETIC_BUCKET):
+                return self._counted(_synthetic_object(path, start_response), path)
             if plan.bandwidth_bytes_per_s:
                 body = _paced(app(environ, start_response), plan.bandwidth_bytes_per_s)
             else:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES, plan_chunks
-from shardcache.manifest import PREFIX_COLUMN, Manifest
+from shardcache.manifest import PREFIX_COLUMN, PREFIX_ENDS, Manifest
 from shardcache.packed_manifest import PackedManifest
 from shardcache_server.budget import budget_from_spec
 from shardcache_server.list_fanout import FanOut
@@ -218,6 +218,7 @@ def list_with_layout(
     options = spec.get("storage_options") or {}
     spread = FanOut(options, budget) if fan_out else None
     announced: list[np.ndarray] = []  # the last published prefix's chunk starts
+    ends: list[int] = []  # the length of each published prefix
     prefix_to = None
     if on_prefix is not None:
 
@@ -227,6 +228,10 @@ def list_with_layout(
             )
             if cut is not None:
                 announced[:] = [cut.columns["chunk_starts"]]
+                ends.append(len(cut))
+                # Every prefix so far: the first epoch's segments, which
+                # every rank of the job cuts alike (shardcache.segments).
+                cut.columns[PREFIX_ENDS] = np.asarray(ends, np.int64)
                 on_prefix(cut)
 
     manifest = list_source(
@@ -237,6 +242,8 @@ def list_with_layout(
         starts, announced[0] if announced else None, manifest, spec
     )
     manifest.columns["chunk_starts"] = np.asarray(starts, dtype=np.int64)
+    if ends:
+        manifest.columns[PREFIX_ENDS] = np.asarray(ends, np.int64)
     return manifest
 
 
@@ -478,11 +485,25 @@ class Listings:
     def _on_prefix(self, dataset: str, started: float) -> PrefixSink:
         def keep(ref: Any, manifest: Manifest) -> None:
             digest = manifest.digest
-            self._prefixes.setdefault(dataset, {})[digest] = (ref, manifest, started)
+            self._point_prefixes(dataset, started, ref, manifest)
+            self._prefixes[dataset][digest] = (ref, manifest, started)
             self._leading[dataset] = (started, ref, digest)
             self._wake(dataset)
 
         return keep
+
+    def _point_prefixes(
+        self, dataset: str, started: float, ref: Any, manifest: Manifest
+    ) -> None:
+        """Answer the earlier prefixes of the listing begun at ``started`` with
+        a longer one (or the whole): it holds their chunks, the same ones at
+        the same places, so a rank or build still naming an earlier digest
+        reads the same members, and only the longest copy stays held (the
+        copies would add up to about twice the listing)."""
+        prefixes = self._prefixes.setdefault(dataset, {})
+        for digest, (_, _, began) in list(prefixes.items()):
+            if began == started:
+                prefixes[digest] = (ref, manifest, started)
 
     def _wake(self, dataset: str) -> None:
         event = self._changed.pop(dataset, None)
@@ -619,6 +640,7 @@ class Listings:
             prefixes = self._prefixes.get(name, {})
             for old in [d for d, p in prefixes.items() if p[2] < started]:
                 del prefixes[old]
+            self._point_prefixes(name, started, ref, manifest)
             fut.set_result((ref, digest))
             return ref, digest, manifest
         except BaseException as exc:

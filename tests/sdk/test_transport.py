@@ -171,8 +171,11 @@ class _ListTransport:
         self.chunks = chunks
         self.calls: list[list[str]] = []
 
-    def manifest(self, spec, token=""):
+    def manifest(self, spec, token="", *, early=False):
         raise NotImplementedError
+
+    def leading(self, name):
+        return None
 
     def manifest_of(self, name, digest):
         raise NotImplementedError

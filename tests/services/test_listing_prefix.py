@@ -95,6 +95,11 @@ def test_prefix_chunks_are_the_final_chunks(
     assert got
     starts = final.columns["chunk_starts"]
     versions = final.chunk_versions(final.layout)
+    lengths = [len(p) for p in got]
+    assert final.prefix_ends.tolist() == lengths  # every rank cuts the same segments
+    assert [p.prefix_ends.tolist() for p in got] == [
+        lengths[: i + 1] for i in range(len(got))
+    ]
     for prefix in got:
         assert not prefix.is_prefix  # marked where it is published (the task)
         mine = prefix.columns["chunk_starts"]
@@ -166,6 +171,8 @@ def test_listings_answer_early_then_the_whole_for_the_same_token(
         return first, seen, whole, answered_s, time.monotonic() - started
 
     first, seen, whole, answered_s, total_s = asyncio.run(run())
+    # One copy held: an earlier prefix is answered with the whole listing now.
+    assert listings.held("early", first.digest)[1] is whole  # type: ignore[index]
     assert first.is_prefix and not whole.is_prefix
     assert answered_s < total_s / 2  # ~0.2 s of a ~1.5 s listing
     assert seen == sorted(seen)

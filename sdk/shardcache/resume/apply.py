@@ -158,6 +158,7 @@ def apply_state(
             "changed. Pass the dict that state_dict() returned, unchanged."
         )
     sampler.use_basis(state.get("basis"))
+    sampler.use_segments(state.get("segments"))
     if state.get("resumed_from") is not None:
         # Saved inside an epoch that was itself resumed elastically.
         sampler.resume_elastic(state["resumed_from"], state["plan_nodes"])

@@ -45,6 +45,7 @@ WORLD_KEYS = (
     "resumed_from",
     "plan_nodes",
     "basis",
+    "segments",
 )
 
 

@@ -110,10 +110,18 @@ class Transport(Protocol):
         """Errors a background prefetch swallows (the loop asks again)."""
         ...
 
-    def manifest(self, spec: dict[str, Any], token: str = "") -> tuple[Any, str]:
+    def manifest(
+        self, spec: dict[str, Any], token: str = "", *, early: bool = False
+    ) -> tuple[Any, str]:
         """``(handle, digest)`` of the dataset's listing, listed once per cluster;
         ``token`` asks for a new listing (every rank of a refresh passes the
-        same one), ``""`` takes the published one."""
+        same one), ``""`` takes the published one. ``early``: the first whole
+        chunks of a listing that runs long may answer (``is_prefix``)."""
+        ...
+
+    def leading(self, name: str) -> tuple[Any, str] | None:
+        """``(handle, digest)`` of the longest prefix published so far by the
+        listing of ``name`` under way, ``None`` when none runs."""
         ...
 
     def manifest_of(self, name: str, digest: str) -> Any:

@@ -144,23 +144,39 @@ class CacheClient:
         return handles[node]
 
     # -- datasets ---------------------------------------------------------------
-    def manifest(self, spec: DatasetSpec, token: str = "") -> tuple[Any, str]:
+    def manifest(
+        self, spec: DatasetSpec, token: str = "", *, early: bool = False
+    ) -> tuple[Any, str]:
         """``(reference, digest)`` of the dataset's listing, listed once per cluster.
 
         ``token`` asks for a new listing: every rank of a job refreshing
         together passes the same one and one listing answers them all;
-        ``""`` (construction) takes the published listing.
+        ``""`` (construction) takes the published listing. ``early``: a
+        listing that runs long may answer with its first whole chunks.
         """
         import ray
 
         self.attach()
         ref, digest = self._call(
             lambda: ray.get(
-                self._store.manifest.remote(spec, token),
+                self._store.manifest.remote(spec, token, early=early),
                 timeout=self.config.request_timeout_s,
             )
         )
         return ref, str(digest)
+
+    def leading(self, name: str) -> tuple[Any, str] | None:
+        """The longest prefix of ``name``'s listing under way, if any."""
+        import ray
+
+        self.attach()
+        got = self._call(
+            lambda: ray.get(
+                self._store.leading.remote(name),
+                timeout=self.config.request_timeout_s,
+            )
+        )
+        return (got[0], str(got[1])) if got else None
 
     def manifest_of(self, name: str, digest: str) -> Any:
         """The reference of listing ``digest`` (a DataLoader worker maps the

@@ -35,7 +35,6 @@ from shardcache.transport.wire import raise_reply_error
 __all__ = ["FlightClient"]
 
 
-
 class FlightClient(ProxyClient):
     """A rank's client of a remote cache worker's Flight service.
 

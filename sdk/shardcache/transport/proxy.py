@@ -167,9 +167,15 @@ class ProxyClient:
         """Errors a background prefetch swallows (the loop asks again)."""
         return (errors.BackendError, errors.StaleVersionError)
 
-    def manifest(self, spec: dict[str, Any], token: str = "") -> tuple[Manifest, str]:
+    def manifest(
+        self, spec: dict[str, Any], token: str = "", *, early: bool = False
+    ) -> tuple[Manifest, str]:
+        # The endpoint answers with the whole listing (``early`` not served).
         columns, meta = self._manifest_columns("manifest", spec=spec, token=token)
         return _manifest(columns, meta), str(meta["digest"])
+
+    def leading(self, name: str) -> tuple[Any, str] | None:
+        return None  # never answered early: no listing is followed
 
     def manifest_of(self, name: str, digest: str) -> Manifest:
         columns, meta = self._manifest_columns("manifest_of", name=name, digest=digest)

@@ -1,0 +1,168 @@
+"""The first epoch of a listing read while it was still listed, segment by segment.
+
+A listing that runs long publishes growing prefixes of whole chunks
+(``Manifest.prefix_ends``: the length of each). The first epoch cannot
+shuffle over objects not listed yet, so it is read in *segments*: segment
+``s`` is the objects between the ends of prefixes ``s - 1`` and ``s`` (the
+last one: from the last prefix to the end of the listing). Each segment's
+chunks are split among the ranks as a whole dataset's are
+(:func:`~shardcache.sharding.assign_chunks`) and shuffled within the
+segment, and every rank gets the same count from each (``ceil(n / W)``,
+padded from its own samples, or ``n // W`` with ``drop_last``). So every
+rank has the same number of samples at each segment's end without knowing
+the total, and the order is a pure function of the listing's chunks and
+its prefix ends: a rank that saw fewer prefixes, a DataLoader worker, or a
+resumed job computes the same one.
+
+What the first epoch gives up: the shuffle spans a segment, not the whole
+dataset (the first segment's keys come first), and each segment pads (or,
+with ``drop_last``, drops) up to ``W - 1`` samples. Later epochs read the
+finished listing as any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from shardcache.chunks import ChunkLayout
+from shardcache.sharding import assign_chunks, epoch_order
+
+__all__ = ["GrowingListing", "segment_bounds", "segment_order", "segmented_length"]
+
+_GOLDEN = 0x9E3779B1  # spreads the segment number over the seed
+
+
+def segment_bounds(
+    starts: np.ndarray, ends: Sequence[int], complete: bool
+) -> list[tuple[int, int]]:
+    """``(first, end)`` sample index of each segment known: one per prefix
+    end, and the rest of the listing once it is ``complete``.
+
+    ``starts``: the chunk starts of the listing known (its last entry the
+    number of objects). Prefix ends past it are not known yet.
+
+    >>> segment_bounds(np.array([0, 2, 4, 6, 8]), [4], False)
+    [(0, 4)]
+    >>> segment_bounds(np.array([0, 2, 4, 6, 8]), [4], True)
+    [(0, 4), (4, 8)]
+    """
+    n = int(starts[-1])
+    out, lo = [], 0
+    for end in ends:
+        end = int(end)
+        if end > n:
+            break
+        if end > lo:
+            out.append((lo, end))
+            lo = end
+    if complete and n > lo:
+        out.append((lo, n))
+    return out
+
+
+def segment_order(
+    layout: ChunkLayout,
+    bounds: tuple[int, int],
+    number: int,
+    world_size: int,
+    rank: int,
+    *,
+    seed: int,
+    shuffle: bool,
+    drop_last: bool,
+    block_samples: int = 0,
+) -> np.ndarray:
+    """This rank's samples of segment ``number`` (``bounds``), in order.
+
+    >>> layout = ChunkLayout(np.array([0, 2, 4, 6]))
+    >>> a = segment_order(layout, (0, 6), 0, 2, 0, seed=0, shuffle=False, drop_last=False)
+    >>> b = segment_order(layout, (0, 6), 0, 2, 1, seed=0, shuffle=False, drop_last=False)
+    >>> len(a), len(b), sorted(a.tolist() + b.tolist())
+    (3, 3, [0, 1, 2, 3, 4, 5])
+    """
+    lo, hi = bounds
+    starts = layout.starts
+    first, last = np.searchsorted(starts, [lo, hi])
+    sizes = np.diff(starts[first : last + 1])
+    seg_seed = (int(seed) + _GOLDEN * (number + 1)) & 0xFFFFFFFF
+    mine = assign_chunks(sizes, world_size, seg_seed)[rank].astype(np.int64) + lo
+    n = hi - lo
+    count = n // world_size if drop_last else -(-n // world_size)
+    if not len(mine) and count:
+        mine = np.array([lo + rank % n], dtype=np.int64)  # a segment under W samples
+    return epoch_order(
+        mine,
+        count,
+        seg_seed,
+        0,
+        shuffle,
+        block_samples=block_samples,
+        layout=layout if block_samples else None,
+    )
+
+
+def segmented_length(
+    bounds: Sequence[tuple[int, int]], world_size: int, drop_last: bool
+) -> int:
+    """Samples per rank in the segments ``bounds`` (the same on every rank).
+
+    >>> segmented_length([(0, 5), (5, 8)], 2, False), segmented_length([(0, 5), (5, 8)], 2, True)
+    (5, 3)
+    """
+    if drop_last:
+        return sum((hi - lo) // world_size for lo, hi in bounds)
+    return sum(-(-(hi - lo) // world_size) for lo, hi in bounds)
+
+
+class GrowingListing:
+    """What a sampler knows of a listing the stores are still listing: its
+    prefix ends, whether it is whole, and the first epoch's orders per
+    segment for one rank (computed once each: earlier segments never change
+    as the listing grows).
+
+    Args:
+        ends: the listing's prefix ends (``Manifest.prefix_ends``).
+        complete: the listing is whole. Defaults to ``True``.
+    """
+
+    def __init__(self, ends: Sequence[int] = (), complete: bool = True):
+        self.ends = np.asarray(ends, dtype=np.int64)
+        self.complete = complete
+        self._orders: list[np.ndarray] = []
+        self._for: tuple[Any, ...] | None = None  # what the orders were cut for
+
+    @property
+    def is_segmented(self) -> bool:
+        """The listing was read while it was listed: its first epoch goes by segments."""
+        return len(self.ends) > 0
+
+    def grew(self, ends: Sequence[int], complete: bool) -> None:
+        self.ends = np.asarray(ends, dtype=np.int64)
+        self.complete = complete
+
+    def use_ends(self, ends: Sequence[int] | None) -> None:
+        """Segments saved with a state (a resume of the first epoch reads its order)."""
+        self.ends = np.asarray(ends or (), dtype=np.int64)
+        self._orders, self._for = [], None
+
+    def orders(
+        self, layout: ChunkLayout, world_size: int, rank: int, **order: Any
+    ) -> list[np.ndarray]:
+        """This rank's order of each segment known, in segment order."""
+        key = (world_size, rank, tuple(sorted(order.items())))
+        if key != self._for:
+            self._orders, self._for = [], key
+        bounds = segment_bounds(layout.starts, self.ends, self.complete)
+        for number in range(len(self._orders), len(bounds)):
+            self._orders.append(
+                segment_order(layout, bounds[number], number, world_size, rank, **order)
+            )
+        return self._orders
+
+    def length(self, layout: ChunkLayout, world_size: int, drop_last: bool) -> int:
+        """Samples per rank in the first epoch (the listing whole)."""
+        bounds = segment_bounds(layout.starts, self.ends, True)
+        return segmented_length(bounds, world_size, drop_last)

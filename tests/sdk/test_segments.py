@@ -1,0 +1,125 @@
+"""The first epoch of a listing read while it was listed: segment by segment,
+the same count on every rank, and the same order however much of the
+listing a rank had seen."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from shardcache.chunks import ChunkLayout
+from shardcache.errors import ConfigError
+from shardcache.sampler import ShardSampler
+from shardcache.segments import GrowingListing, segment_bounds, segment_order
+
+
+def _layout(rng: np.random.Generator, chunks: int) -> np.ndarray:
+    return rng.integers(1, 40, size=chunks)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_every_segment_is_dealt_whole_and_evenly(world: int, drop_last: bool) -> None:
+    rng = np.random.default_rng(world)
+    sizes = _layout(rng, 30)
+    layout = ChunkLayout.from_sizes(sizes)
+    starts = layout.starts
+    ends = [int(starts[3]), int(starts[9]), int(starts[20])]
+    for number, bounds in enumerate(segment_bounds(starts, ends, True)):
+        orders = [
+            segment_order(layout, bounds, number, world, r, seed=5, shuffle=True,
+                          drop_last=drop_last)
+            for r in range(world)
+        ]  # fmt: skip
+        assert len({len(o) for o in orders}) == 1  # every rank the same count
+        got = Counter(int(i) for o in orders for i in o)
+        lo, hi = bounds
+        assert set(got) <= set(range(lo, hi))
+        if drop_last:
+            assert sum(got.values()) == (hi - lo) // world * world
+            assert max(got.values()) == 1
+        else:
+            assert set(got) == set(range(lo, hi))  # nothing left out
+            assert sum(got.values()) - (hi - lo) < world  # at most W - 1 padded
+
+
+def _sampler(sizes: np.ndarray, listing: GrowingListing, rank: int) -> ShardSampler:
+    return ShardSampler(sizes, rank, 2, seed=3, listing=listing)
+
+
+def test_a_rank_that_saw_fewer_prefixes_deals_the_same_order() -> None:
+    """One rank follows the listing as it grows (its sampler waits for the
+    next prefix); the other is built on the finished listing: the same
+    first epoch, and the ranks' counts equal at every segment's end."""
+    rng = np.random.default_rng(0)
+    sizes = _layout(rng, 40)
+    starts = ChunkLayout.from_sizes(sizes).starts
+    ends = [int(starts[4]), int(starts[12]), int(starts[25])]
+    steps = iter([(12, ends[:2], False), (25, ends, False), (40, ends, True)])
+    growing = _sampler(sizes[:4], GrowingListing(ends[:1], complete=False), 0)
+    asked: list[bool] = []
+
+    def grow(wait: bool) -> None:
+        asked.append(wait)
+        if wait:
+            chunks, known, done = next(steps)
+            growing.extend(sizes[:chunks], known, done)
+
+    growing.follow(grow)
+    growing.set_epoch(0)
+    streamed = list(growing)
+    whole = _sampler(sizes, GrowingListing(ends, complete=True), 0)
+    whole.set_epoch(0)
+    assert streamed == whole.order().tolist() == list(whole)
+    assert True in asked  # it waited for the listing, and only then
+    other = _sampler(sizes, GrowingListing(ends, complete=True), 1)
+    other.set_epoch(0)
+    assert len(other) == len(whole)
+    assert Counter(streamed + list(other)).keys() == set(range(int(sizes.sum())))
+    # Epoch 1 reads the finished listing with the stable shard: exact.
+    for s in (whole, other):
+        s.set_epoch(1)
+    epoch_1 = list(whole) + list(other)
+    n = int(sizes.sum())
+    assert set(epoch_1) == set(range(n)) and len(epoch_1) - n == n % 2  # one pad
+
+
+def test_a_copy_that_cannot_follow_says_so() -> None:
+    sizes = np.array([4, 4, 4])
+    sampler = _sampler(sizes[:1], GrowingListing([4], complete=False), 0)
+    with pytest.raises(ConfigError, match="still being listed"):
+        len(sampler)
+    assert sampler.known_order().size == 2  # the first segment's half: no wait
+
+
+def test_a_resume_of_the_first_epoch_reads_the_saved_segments() -> None:
+    rng = np.random.default_rng(1)
+    sizes = _layout(rng, 20)
+    starts = ChunkLayout.from_sizes(sizes).starts
+    saved_ends = [int(starts[3]), int(starts[10])]
+    first = _sampler(sizes, GrowingListing(saved_ends), 0)
+    first.set_epoch(0)
+    order = first.order().tolist()
+    state = first.state()
+    assert state["segments"] == saved_ends
+    # The new job's listing published other prefixes (or none): the saved
+    # segments decide the resumed epoch's order.
+    again = _sampler(sizes, GrowingListing([int(starts[7])]), 0)
+    again.use_segments(state["segments"])
+    again.resume(0, 50)
+    again.set_epoch(0)
+    assert list(again) == order[50:]
+    # Epoch 1 has no segments: its state says so.
+    again.set_epoch(1)
+    assert again.state()["segments"] is None
+
+
+def test_a_first_epoch_state_resumed_at_another_world_size_is_refused() -> None:
+    sizes = np.array([8, 8, 8, 8])
+    sampler = ShardSampler(sizes, 0, 1, listing=GrowingListing([16]))
+    merged = {**sampler.state(), "consumed": [3, 3], "world_size": 2,
+              "nodes": ["a", "b"]}  # fmt: skip
+    with pytest.raises(ConfigError, match="world size it was saved at"):
+        sampler.resume_elastic(merged, ["a"])
