@@ -5,9 +5,11 @@
 The S3 emulator's synthetic bucket ``synthetic-N`` stands in for a prefix of
 N objects of 100 B (LIST pages computed, 1,000 keys each, 10,000 keys per
 sub-prefix; every LIST request answered after ``--latency-ms``; each
-object's bytes computed on GET). One fresh user HOME; a first script warms
-the embedded head (Redis, Ray, the stores and build actors), as any script
-after a user's first finds them. Then, per size, a fresh process runs the
+object's bytes computed on GET). Per size, a fresh user HOME: a first
+script warms its embedded head (Redis, Ray, the stores and build actors),
+as any script after a user's first finds them (a fresh head per size, so
+the builds one size's first batch asked for never slow the next size's
+listing); then a fresh process runs the
 README's lines with one rank: ``DistributedCachedDataset(url)``, a
 ``DataLoader(ds, batch_size=64, sampler=ds.sampler)`` and its first batch,
 then ``len(ds)``, which returns once the whole listing is published.
@@ -17,7 +19,8 @@ constructor's call), ``from_prefix`` (that batch came while the listing
 still ran) and ``prefix_objects`` (what the listing had published then),
 and ``listing_s`` (the whole listing published: what the first batch
 waited for before stream-while-listing, its lower bound then).
-The stores read with checksums off (``SHARDCACHE_VERIFY_CHECKSUM=0``): the
+``gets_by_exit``: the GETs made by then (the first batch's chunks and what
+the prefetch asked for next). The stores read with checksums off (``SHARDCACHE_VERIFY_CHECKSUM=0``): the
 synthetic ETags are no MD5 of the synthetic bytes.
 """
 
@@ -95,27 +98,34 @@ def main() -> None:
             raise SystemExit(done.stderr[-3000:])
         return json.loads(done.stdout.strip().splitlines()[-1])
 
+    def stop() -> None:
+        subprocess.run(
+            [sys.executable, "-m", "shardcache_server.cli", "local", "stop"],
+            env=env, capture_output=True, check=False,
+        )  # fmt: skip
+
     try:
-        run("s3://synthetic-5000/")  # the head, stores and build actors start
-        emu.set_faults(FaultPlan(list_latency_s=args.latency_ms / 1000))
         for n in (int(s) for s in args.samples.split(",")):
+            stop()
+            emu.set_faults(FaultPlan())
+            run("s3://synthetic-5000/")  # the head, stores and build actors start
+            emu.set_faults(FaultPlan(list_latency_s=args.latency_ms / 1000))
+            gets0 = emu.total_gets
             lists0 = emu.lists
             started = time.time()
             result = run(f"s3://synthetic-{n}/")
             print(
                 json.dumps(
                     {**result, "list_requests": emu.lists - lists0,
+                     "gets_by_exit": emu.total_gets - gets0,
                      "latency_ms": args.latency_ms, "wall_s": round(time.time() - started, 1),
                      "load_avg_1m": round(os.getloadavg()[0], 1), "cpus": os.cpu_count()}
                 ),
                 flush=True,
             )  # fmt: skip
     finally:
+        stop()
         emu.stop()
-        subprocess.run(
-            [sys.executable, "-m", "shardcache_server.cli", "local", "stop"],
-            env=env, capture_output=True, check=False,
-        )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -15,9 +15,11 @@ its prefix ends: a rank that saw fewer prefixes, a DataLoader worker, or a
 resumed job computes the same one.
 
 What the first epoch gives up: the shuffle spans a segment, not the whole
-dataset (the first segment's keys come first), and each segment pads (or,
-with ``drop_last``, drops) up to ``W - 1`` samples. Later epochs read the
-finished listing as any other.
+dataset (the first segment's keys come first), the first segment is read
+chunk by chunk (each chunk's rows shuffled, the chunks in a random order:
+its first batch then waits for one chunk's build, not for all of them),
+and each segment pads (or, with ``drop_last``, drops) up to ``W - 1``
+samples. Later epochs read the finished listing as any other.
 """
 
 from __future__ import annotations
@@ -93,6 +95,12 @@ def segment_order(
     count = n // world_size if drop_last else -(-n // world_size)
     if not len(mine) and count:
         mine = np.array([lo + rank % n], dtype=np.int64)  # a segment under W samples
+    if number == 0 and shuffle and not block_samples:
+        # The first segment goes chunk by chunk (each chunk's rows shuffled,
+        # the chunks in a random order): a shuffle over all of it would make
+        # the job's first batch wait for every chunk of it to be built.
+        chunks = len(np.unique(layout.chunk_of(mine)))
+        block_samples = -(-len(mine) // max(chunks, 1))
     return epoch_order(
         mine,
         count,

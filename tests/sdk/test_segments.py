@@ -123,3 +123,19 @@ def test_a_first_epoch_state_resumed_at_another_world_size_is_refused() -> None:
               "nodes": ["a", "b"]}  # fmt: skip
     with pytest.raises(ConfigError, match="world size it was saved at"):
         sampler.resume_elastic(merged, ["a"])
+
+
+def test_the_first_segment_is_read_chunk_by_chunk() -> None:
+    """A cold first batch waits for the chunks it touches: in the first
+    segment, one; later segments (prefetched while the one before is read)
+    shuffle across their chunks."""
+    layout = ChunkLayout.from_sizes(np.full(20, 50))
+    first = segment_order(
+        layout, (0, 500), 0, 2, 0, seed=1, shuffle=True, drop_last=False
+    )
+    later = segment_order(
+        layout, (500, 1000), 1, 2, 0, seed=1, shuffle=True, drop_last=False
+    )
+    assert len(set(layout.chunk_of(first[:50]).tolist())) == 1
+    assert sorted(first.tolist()) != first.tolist()  # still shuffled within
+    assert len(set(layout.chunk_of(later[:50]).tolist())) > 1
