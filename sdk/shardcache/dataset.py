@@ -360,13 +360,19 @@ class DistributedCachedDataset(Dataset[Any]):
         ):
             return
         manifest, digest = feed.manifest, feed.digest
+        session = self._here()
+        before = self._generations.digest
+        self._generations.digest = digest  # the stores are told this one
+        try:
+            session.use_listing(manifest, digest, [])
+            session.announce()  # this rank's DataLoader workers follow it
+        except BaseException:
+            self._generations.digest = before  # moved again at the next ask
+            raise
+        # Last: only now may the sampler hand out the new indices.
         self._sampler.extend(
             manifest.layout.sizes(), manifest.prefix_ends, feed.complete
         )
-        self._generations.digest = digest
-        session = self._here()
-        session.use_listing(manifest, digest, [])
-        session.announce()  # this rank's DataLoader workers follow it
         if feed.complete:
             self._feed = None
             with contextlib.suppress(IndexUnavailable):  # counted when read again
@@ -415,7 +421,7 @@ class DistributedCachedDataset(Dataset[Any]):
             raise SampleIndexError(
                 f"sample index {idx!r} is a {type(idx).__name__}; pass an integer."
             ) from None
-        if -len(self) <= i < 0:
+        if i < 0 and -len(self) <= i:  # (len() waits for a listing still growing)
             i += len(self)
         return self.__getitems__([i])[0]  # the range is checked there
 

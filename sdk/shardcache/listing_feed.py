@@ -89,15 +89,23 @@ class ListingFeed:
         """
         if self.complete:
             return False
-        got = self.client.leading(self.spec.name)
-        if got:
-            ref, digest = got
+        # Asked by the prefix in hand: what follows it in its own listing,
+        # whatever other listings of the dataset run or ended since.
+        got = self.client.leading(self.spec.name, self.digest)
+        if got is not None and got[2] == "failed":
+            raise StaleVersionError(
+                f"the listing of {self.spec.summary!r} this job started reading "
+                "before it ended failed (the source answered errors); build the "
+                "dataset again to list it again."
+            )
+        if got is not None:
+            ref, digest, _ = got
             if digest == self.digest:
                 return False
             manifest = self.client.map_manifest(ref)
-            if len(manifest) <= len(self.manifest):
+            if manifest.is_prefix and len(manifest) <= len(self.manifest):
                 return False
-        else:  # no listing runs: it ended, and the token names the result
+        else:  # no store knows the prefix (restarted): the token's listing
             ref, digest = self.client.manifest(self.spec.listing(), self.token)
             manifest = self.client.map_manifest(ref)
         differs = _differs(manifest, self.manifest)
@@ -111,8 +119,8 @@ class ListingFeed:
         self.manifest, self.digest = manifest, digest
         return True
 
-    def wait(self, timeout_s: float = WAIT_S) -> None:
-        """Return once the listing grew (or ended).
+    def wait(self, timeout_s: float = WAIT_S) -> bool:
+        """Return (``True``) once the listing grew (or ended).
 
         Raises:
             BackendError: it did not grow within ``timeout_s``.
@@ -126,3 +134,4 @@ class ListingFeed:
                     f"{timeout_s:.0f} s; the store listing it may be stuck."
                 )
             time.sleep(POLL_S)
+        return True

@@ -166,6 +166,8 @@ class ShardSampler(DistributedSampler[int]):
         self._basis: dict[str, Any] | None = None  # see resume.world_shards
         self._order_cache: tuple[int, np.ndarray] | None = None
         self.listing = listing or GrowingListing()
+        self._audit_paused = False  # a pass begun while the listing grew
+        self._known: tuple[Any, np.ndarray] | None = None  # known_order's last
         # Asks the dataset for more of a listing still growing (``True``:
         # wait for it); bound like the hooks, never pickled.
         self._grow: Callable[[bool], None] | None = None
@@ -236,7 +238,12 @@ class ShardSampler(DistributedSampler[int]):
         if not self._segmented(self.epoch) or self.listing.complete:
             return self.order()
         orders = self._segment_orders()
-        return np.concatenate(orders) if orders else np.zeros(0, np.int64)
+        key = (self.epoch, len(orders), self.world_size, self.rank)
+        if self._known is None or self._known[0] != key:  # once per segment
+            joined = np.concatenate(orders) if orders else np.zeros(0, np.int64)
+            joined.flags.writeable = False
+            self._known = (key, joined)
+        return self._known[1]
 
     # -- the world, read at first use -------------------------------------------------
     def bind(
@@ -251,7 +258,9 @@ class ShardSampler(DistributedSampler[int]):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_on_epoch=None, _on_world=None, _order_cache=None, _grow=None)
+        state.update(
+            _on_epoch=None, _on_world=None, _order_cache=None, _grow=None, _known=None
+        )
         return state
 
     def _resolve(self) -> World:
@@ -361,6 +370,7 @@ class ShardSampler(DistributedSampler[int]):
         self.epoch = epoch
         self._check_world()
         self._audit.reset()
+        self._audit_paused = False
         if self._on_epoch is not None:
             self._on_epoch(epoch, resuming)
 
@@ -390,8 +400,13 @@ class ShardSampler(DistributedSampler[int]):
         Raises:
             ShardedTwiceError: a trainer split this rank's loader over the ranks again.
         """
-        if self._audit.is_done or not self.listing.complete:
-            return  # (a copy made while the listing grew checks once it is whole)
+        if not self.listing.complete:
+            # Not checked while the listing grows; nor, then, the rest of this
+            # pass (its first check would meet a pass already under way).
+            self._audit_paused = True
+            return
+        if self._audit.is_done or self._audit_paused:
+            return
         info = get_worker_info()
         self._audit.check(
             self.order(),
@@ -527,6 +542,7 @@ class ShardSampler(DistributedSampler[int]):
         self._yielded = start
         self._used = True
         self._audit.reset(start)
+        self._audit_paused = False
         return start
 
     def _iterate(self) -> Iterator[int]:
@@ -585,7 +601,8 @@ class ShardSampler(DistributedSampler[int]):
         return ShardBatchSampler(self, batch_size, drop_last)
 
     def state(self) -> dict[str, Any]:
-        self.wait_whole()
+        if self._grow is not None:  # a copy (a DataLoader worker's) says what it knows
+            self.wait_whole()
         resumed = self._resumed
         if resumed is not None and resumed["epoch"] != self.epoch:
             resumed = None
@@ -631,7 +648,9 @@ class ShardSampler(DistributedSampler[int]):
                 f"sampler state has shuffle_block={state.get('block', 0)!r} but this "
                 f"sampler has {self.block!r}; restore with the same settings."
             )
+        self.wait_whole()  # a state is of the whole listing
         self.use_basis(state.get("basis"))
+        self.use_segments(state.get("segments"))
         if state.get("resumed_from") is not None:
             self.resume_elastic(state["resumed_from"], state.get("plan_nodes"))
         self.resume(int(state["epoch"]), int(state["yielded"]))

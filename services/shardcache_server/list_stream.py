@@ -22,6 +22,7 @@ a coroutine on the listing's own event loop (:meth:`LeadingPrefix.watch`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +30,8 @@ from typing import Any
 from shardcache.manifest import Manifest, ManifestWriter
 
 __all__ = ["STREAM_AFTER_S", "LeadingPrefix", "OnPrefix"]
+
+log = logging.getLogger(__name__)
 
 STREAM_AFTER_S = 2.0  # a listing shorter than this publishes only its whole
 _TICK_S = 0.25  # how often a running listing looks at its prefix
@@ -87,4 +90,8 @@ class LeadingPrefix:
         while True:
             await asyncio.sleep(_TICK_S)
             slots = parts.slots
-            self.offer(slots, [i in parts.done for i in range(len(slots))])
+            try:
+                self.offer(slots, [i in parts.done for i in range(len(slots))])
+            except Exception:  # the listing goes on; only its prefixes stop
+                log.exception("listing: publishing a prefix failed; none follow")
+                return

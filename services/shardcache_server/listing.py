@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES, plan_chunks
+from shardcache.listing_feed import extends
 from shardcache.manifest import PREFIX_COLUMN, PREFIX_ENDS, Manifest
 from shardcache.packed_manifest import PackedManifest
 from shardcache_server.budget import budget_from_spec
@@ -260,6 +261,7 @@ def _list_task(
     room_bytes: int,
     budget: BudgetSpec | None,
     stream_after_s: float | None = None,
+    stream: bool = False,
 ) -> Iterator[Any]:
     """The listing as a streaming task: yields each kept unit's bytes as it
     is read (packed formats) or each prefix of whole chunks (a manifest
@@ -284,10 +286,10 @@ def _list_task(
     def prefix_out(prefix: Manifest) -> None:
         found.put((None, {**prefix.to_object(), PREFIX_COLUMN: np.int64(len(prefix))}))
 
-    stream = None if spec.get("format") else prefix_out
+    out = prefix_out if stream and not spec.get("format") else None
     with ThreadPoolExecutor(1, thread_name_prefix="listing") as pool:
         job = pool.submit(
-            list_with_layout, spec, prev, keeper, budget, True, stream, stream_after_s
+            list_with_layout, spec, prev, keeper, budget, True, out, stream_after_s
         )
         job.add_done_callback(lambda _: found.put(_DONE))
         while (item := found.get()) is not _DONE:
@@ -343,7 +345,12 @@ class RayLister:
         from shardcache.errors import ShardCacheError
 
         task = self._task.remote(
-            spec, previous, room_bytes, self._budget, self._stream_after_s
+            spec,
+            previous,
+            room_bytes,
+            self._budget,
+            self._stream_after_s,
+            on_prefix is not None,
         )
         refs = []
         try:
@@ -405,7 +412,8 @@ def list_in_thread(
 
         options = dict(spec.get("format_options") or {})
         keeper = SpanKeeper(room_bytes, keep, options)
-        stream = None if spec.get("format") else prefix_out
+        streams = on_prefix is not None and not spec.get("format")
+        stream = prefix_out if streams else None
         listed = await asyncio.to_thread(
             list_with_layout, spec, prev, keeper, budget, False, stream, stream_after_s
         )
@@ -451,6 +459,7 @@ class Listings:
         self._listing: dict[str, tuple[str, float]] = {}
         self._leading: dict[str, tuple[float, Any, str]] = {}
         self._changed: dict[str, asyncio.Event] = {}  # a prefix or an end
+        self._failed: set[tuple[str, float]] = set()  # listings that failed
 
     def held(self, dataset: str, digest: str) -> tuple[Any, Manifest] | None:
         found = self._held.get(dataset, {}).get(digest)
@@ -464,23 +473,27 @@ class Listings:
         found = self.held(dataset, digest)
         if found is not None:
             return found[1]
-        value = self._get(ref)
-        if inspect.isawaitable(value):
-            value = await value
-        manifest = Manifest.from_object(value)
+        manifest = await self._map(ref)
         if manifest.is_prefix:
             prefixes = self._prefixes.setdefault(dataset, {})
             prefixes[digest] = (ref, manifest, time.time())
             return manifest
-        if dataset not in self._inflight:
-            # Another store's prefixes: asked for again by digest if a rank
-            # still reads one (Manifests.by_digest).
-            self._prefixes.pop(dataset, None)
+        # Another store's finished listing: the prefixes of it held here are
+        # answered with it (a rank or worker here may still name one).
+        for old, (_, prefix, began) in list(self._prefixes.get(dataset, {}).items()):
+            if prefix.is_prefix and extends(manifest, prefix):
+                self._prefixes[dataset][old] = (ref, manifest, began)
         kept = self._held.setdefault(dataset, {})
         kept[digest] = (ref, manifest)
         while len(kept) > MANIFESTS_KEPT:
             kept.pop(next(iter(kept)))
         return manifest
+
+    async def _map(self, ref: Any) -> Manifest:
+        value = self._get(ref)
+        if inspect.isawaitable(value):
+            value = await value
+        return Manifest.from_object(value)
 
     def _on_prefix(self, dataset: str, started: float) -> PrefixSink:
         def keep(ref: Any, manifest: Manifest) -> None:
@@ -510,24 +523,36 @@ class Listings:
         if event is not None:
             event.set()
 
-    def leading(self, dataset: str) -> tuple[Any, str] | None:
-        """The latest prefix of ``dataset``'s listing under way, if it published
-        one (``None`` once no listing runs)."""
-        if dataset not in self._inflight:
+    def leading(self, dataset: str, digest: str) -> tuple[Any, str, str] | None:
+        """What follows prefix ``digest`` of ``dataset``: ``(reference,
+        digest, state)``, the longest prefix of its listing so far
+        (``"listing"``) or the finished listing (``"done"``); ``state``
+        ``"failed"`` when that listing failed. ``None``: not a prefix this
+        store knows."""
+        entry = self._prefixes.get(dataset, {}).get(digest)
+        if entry is None:
             return None
+        ref, manifest, started = entry
+        if not manifest.is_prefix:
+            return ref, manifest.digest, "done"
+        if (dataset, started) in self._failed:
+            return ref, digest, "failed"
         lead = self._leading.get(dataset)
-        return None if lead is None else (lead[1], lead[2])
+        if lead is not None and lead[0] == started:
+            return lead[1], lead[2], "listing"
+        return ref, digest, "listing"
 
     async def publish_early(
         self, spec: dict[str, Any], token: str = ""
-    ) -> tuple[Any, str, Manifest]:
+    ) -> tuple[Any, str, Manifest, asyncio.Future[Any] | None]:
         """As :meth:`publish`, but answers with the first prefix of whole
         chunks when the listing that answers ``token`` publishes one before
         it ends (a listing longer than ``stream_after_s``); the listing goes
-        on, and :meth:`leading` and :meth:`publish` give what follows."""
+        on (the last item: its task, ``None`` once it ended), and
+        :meth:`leading` gives what follows."""
         name = spec["name"]
         arrived = time.time()
-        listing = asyncio.ensure_future(self.publish(spec, token))
+        listing = asyncio.ensure_future(self.publish(spec, token, stream=True))
         # Answered early, its error is raised to the next caller, not here.
         listing.add_done_callback(lambda f: f.cancelled() or f.exception())
         while not listing.done():
@@ -541,12 +566,13 @@ class Listings:
                 and (running[1] >= arrived or (token and running[0] == token))
             ):
                 _, ref, digest = lead
-                return ref, digest, self.held(name, digest)[1]  # type: ignore[index]
+                mapped = self.held(name, digest)[1]  # type: ignore[index]
+                return ref, digest, mapped, listing
             event = self._changed.setdefault(name, asyncio.Event())
             waiter = asyncio.ensure_future(event.wait())
             await asyncio.wait({listing, waiter}, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
-        return listing.result()
+        return (*listing.result(), None)
 
     def published(self, dataset: str, token: str) -> tuple[Any, str] | None:
         """What this store published for ``token``: ``""``, its latest
@@ -563,13 +589,29 @@ class Listings:
         else:
             seen = self._tokens.get(dataset, {}).get(token)
             fresh = seen is not None and seen[0] > time.time() - REFRESH_TOKEN_TTL_S
-            digest = seen[1] if fresh and seen is not None else None
+            if fresh and seen is not None:
+                # The very listing that answered the token, not whichever
+                # listing now holds its digest (a later one of the same
+                # objects may carry other chunks' prefix ends).
+                return seen[2], seen[1]
+            digest = None
         found = self.held(dataset, digest) if digest is not None else None
         return None if found is None else (found[0], digest)  # type: ignore[return-value]
 
-    def _remember(self, name: str, token: str, started: float, digest: str) -> None:
+    def answered(self, dataset: str, token: str) -> Manifest | None:
+        """The mapped listing that answered ``token`` (see :meth:`published`)."""
+        seen = self._tokens.get(dataset, {}).get(token)
+        return None if seen is None else seen[3]
+
+    def _remember(
+        self, name: str, token: str, started: float, digest: str, ref: Any = None
+    ) -> None:
         tokens = self._tokens.setdefault(name, {})
-        tokens[token] = (started, digest)
+        if ref is None:  # a listing another call made: the one held now
+            ref, manifest = self._held[name][digest]
+        else:
+            manifest = self._held[name][digest][1]
+        tokens[token] = (started, digest, ref, manifest)
         for old in [
             t for t, v in tokens.items() if v[0] < started - REFRESH_TOKEN_TTL_S
         ]:
@@ -580,10 +622,15 @@ class Listings:
         found = self.held(dataset, digest) if digest is not None else None
         return None if found is None else found[0]
 
+    def _token_manifest(self, name: str, token: str, digest: str) -> Manifest:
+        mapped = self.answered(name, token)
+        return mapped if mapped is not None else self._held[name][digest][1]
+
     async def publish(
-        self, spec: dict[str, Any], token: str = ""
+        self, spec: dict[str, Any], token: str = "", *, stream: bool = False
     ) -> tuple[Any, str, Manifest]:
-        """List ``spec`` once (concurrent callers share it) and hold the result."""
+        """List ``spec`` once (concurrent callers share it) and hold the result.
+        ``stream``: publish prefixes while it runs (:meth:`publish_early`)."""
         name = spec["name"]
         arrived = time.time()
         while (running := self._inflight.get(name)) is not None:
@@ -598,7 +645,7 @@ class Listings:
             answered = self.published(name, token) if token else None
             if answered is not None:  # this token's own listing (another rank)
                 ref, digest = answered
-                return ref, digest, self._held[name][digest][1]
+                return ref, digest, self._token_manifest(name, token, digest)
             if began >= arrived or not token or token.startswith(MAX_AGE_TOKEN):
                 self._remember(name, token, time.time(), digest)
                 return ref, digest, self._held[name][digest][1]
@@ -613,10 +660,18 @@ class Listings:
                 spec,
                 self._latest_ref(name),
                 self.spans.room(),
-                self._on_prefix(name, started),
+                self._on_prefix(name, started) if stream else None,
             )
             ref, digest = listed.ref, listed.digest
-            manifest = await self.adopt(name, digest, ref)
+            # This listing's own object, even where an earlier one of the same
+            # objects is held under the digest: its prefix ends and chunks
+            # are what this listing's ranks read.
+            manifest = await self._map(ref)
+            kept = self._held.setdefault(name, {})
+            kept.pop(digest, None)
+            kept[digest] = (ref, manifest)
+            while len(kept) > MANIFESTS_KEPT:
+                kept.pop(next(iter(kept)))
             self.spans.hold(
                 name,
                 listed.spans,
@@ -634,16 +689,22 @@ class Listings:
                 )
             self._published[name] = digest
             self._published_at[name] = started
-            self._remember(name, token, started, digest)
-            # Earlier listings' prefixes are read by nobody new: this one's
-            # stay for the ranks still moving through them.
+            self._remember(name, token, started, digest, ref)
+            # A failed listing's prefixes are read by nobody new, nor are
+            # those of a finished listing no longer held; this one's are
+            # answered with it from now on (its ranks still name them).
             prefixes = self._prefixes.get(name, {})
-            for old in [d for d, p in prefixes.items() if p[2] < started]:
+            for old in [
+                d
+                for d, (_, m, began) in prefixes.items()
+                if began < started and (m.is_prefix or m.digest not in kept)
+            ]:
                 del prefixes[old]
             self._point_prefixes(name, started, ref, manifest)
             fut.set_result((ref, digest))
             return ref, digest, manifest
         except BaseException as exc:
+            self._failed.add((name, started))  # its prefixes lead nowhere
             fut.set_exception(exc)
             fut.exception()  # retrieved: callers that share it re-raise their own
             raise

@@ -174,7 +174,7 @@ class _ListTransport:
     def manifest(self, spec, token="", *, early=False):
         raise NotImplementedError
 
-    def leading(self, name):
+    def leading(self, name, digest):
         return None
 
     def manifest_of(self, name, digest):

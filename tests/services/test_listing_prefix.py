@@ -160,14 +160,14 @@ def test_listings_answer_early_then_the_whole_for_the_same_token(
 
     async def run() -> tuple[Manifest, list[int], Manifest, float, float]:
         started = time.monotonic()
-        _, digest, first = await listings.publish_early(spec, "open/job-1")
+        _, digest, first, _ = await listings.publish_early(spec, "open/job-1")
         answered_s = time.monotonic() - started
         assert listings.held("early", digest) is not None  # builds can map it
         seen = [len(first)]
-        while (lead := listings.leading("early")) is not None:
+        while (lead := listings.leading("early", digest)) and lead[2] == "listing":
             seen.append(len(listings.held("early", lead[1])[1]))  # type: ignore[index]
             await asyncio.sleep(0.05)
-        _, _, whole = await listings.publish(spec, "open/job-1")  # the token's own
+        whole = listings.answered("early", "open/job-1")  # the token's own listing
         return first, seen, whole, answered_s, time.monotonic() - started
 
     first, seen, whole, answered_s, total_s = asyncio.run(run())
@@ -234,3 +234,57 @@ def test_a_ray_store_answers_early_on_both_nodes(
     mine = first.columns["chunk_starts"]
     assert np.array_equal(whole.columns["chunk_starts"][: len(mine)], mine)
     assert whole_digest != digest
+
+
+def test_each_token_keeps_its_own_listing_and_prefixes_lead_to_it(
+    s3: Any, s3fs_client: Any, bucket: str, slow_pages: None
+) -> None:
+    """A later listing of the same objects has the same digest but not the
+    same prefix ends: a job's ranks still get their own listing, and a
+    prefix in hand still leads to the listing it came from."""
+    _fill(s3fs_client, bucket, [f"t/{i:05d}" for i in range(500)])
+    listings = Listings(
+        lambda ref: ref, list_in_thread(lambda value: value, stream_after_s=0.2)
+    )
+    spec = {
+        "name": "tok",
+        "urls": f"s3://{bucket}/t/",
+        "storage_options": s3.storage_options(),
+        "chunk_samples": 16,
+    }
+
+    async def run() -> tuple[Manifest, Manifest, Manifest, Any]:
+        _, _, first, rest = await listings.publish_early(spec, "open/a")
+        assert rest is not None
+        _, _, a = await rest
+        s3.set_faults(FaultPlan())  # job b's listing is fast: never read early
+        _, _, b = await listings.publish(spec, "open/b")
+        return first, a, b, listings.leading("tok", first.digest)
+
+    first, a, b, lead = asyncio.run(run())
+    assert a.digest == b.digest and len(a.prefix_ends) and not len(b.prefix_ends)
+    assert listings.answered("tok", "open/a") is a  # not b, though b came later
+    assert listings.answered("tok", "open/b") is b
+    assert lead is not None and lead[1] == a.digest and lead[2] == "done"
+
+
+def test_a_failed_listing_tells_the_prefix_holders(
+    s3: Any, s3fs_client: Any, bucket: str, slow_pages: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.setattr(objects, "LIST_RETRIES", 0)
+    _fill(s3fs_client, bucket, [f"x/{i:05d}" for i in range(500)])
+    listings = Listings(
+        lambda ref: ref, list_in_thread(lambda value: value, stream_after_s=0.2)
+    )
+    spec = {"name": "fail", "urls": f"s3://{bucket}/x/",
+            "storage_options": s3.storage_options(), "chunk_samples": 16}  # fmt: skip
+
+    async def run() -> Any:
+        _, digest, _, rest = await listings.publish_early(spec, "open/f")
+        s3.set_faults(FaultPlan(list_error_rate=1.0, error_status=500))
+        with pytest.raises(Exception, match="listing"):
+            await rest
+        return listings.leading("fail", digest)
+
+    assert asyncio.run(run())[2] == "failed"

@@ -130,6 +130,9 @@ def apply_state(
             "epoch over (skip load_state_dict)."
         )
     epoch = int(state["epoch"])
+    # The first epoch of a listing read while it was listed: its order (and
+    # length) from the segments it was saved with, before either is used.
+    sampler.use_segments(state.get("segments"))
     if merged is not None:
         world = sampler.world_size
         if nodes is None:
@@ -158,7 +161,6 @@ def apply_state(
             "changed. Pass the dict that state_dict() returned, unchanged."
         )
     sampler.use_basis(state.get("basis"))
-    sampler.use_segments(state.get("segments"))
     if state.get("resumed_from") is not None:
         # Saved inside an epoch that was itself resumed elastically.
         sampler.resume_elastic(state["resumed_from"], state["plan_nodes"])

@@ -119,9 +119,10 @@ class Transport(Protocol):
         chunks of a listing that runs long may answer (``is_prefix``)."""
         ...
 
-    def leading(self, name: str) -> tuple[Any, str] | None:
-        """``(handle, digest)`` of the longest prefix published so far by the
-        listing of ``name`` under way, ``None`` when none runs."""
+    def leading(self, name: str, digest: str) -> tuple[Any, str, str] | None:
+        """What follows prefix ``digest`` of ``name``'s listing: ``(handle,
+        digest, state)``, its longest prefix so far (``"listing"``), the
+        finished listing (``"done"``) or ``"failed"``; ``None`` if unknown."""
         ...
 
     def manifest_of(self, name: str, digest: str) -> Any:

@@ -165,18 +165,20 @@ class CacheClient:
         )
         return ref, str(digest)
 
-    def leading(self, name: str) -> tuple[Any, str] | None:
-        """The longest prefix of ``name``'s listing under way, if any."""
+    def leading(self, name: str, digest: str) -> tuple[Any, str, str] | None:
+        """What follows prefix ``digest`` of ``name``'s listing: ``(reference,
+        digest, state)``, ``state`` one of ``"listing"``, ``"done"``,
+        ``"failed"``; ``None`` when no store knows that prefix."""
         import ray
 
         self.attach()
         got = self._call(
             lambda: ray.get(
-                self._store.leading.remote(name),
+                self._store.leading.remote(name, digest),
                 timeout=self.config.request_timeout_s,
             )
         )
-        return (got[0], str(got[1])) if got else None
+        return (got[0], str(got[1]), str(got[2])) if got else None
 
     def manifest_of(self, name: str, digest: str) -> Any:
         """The reference of listing ``digest`` (a DataLoader worker maps the

@@ -174,7 +174,7 @@ class ProxyClient:
         columns, meta = self._manifest_columns("manifest", spec=spec, token=token)
         return _manifest(columns, meta), str(meta["digest"])
 
-    def leading(self, name: str) -> tuple[Any, str] | None:
+    def leading(self, name: str, digest: str) -> tuple[Any, str, str] | None:
         return None  # never answered early: no listing is followed
 
     def manifest_of(self, name: str, digest: str) -> Manifest:

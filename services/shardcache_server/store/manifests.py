@@ -92,34 +92,53 @@ class Manifests:
                     await asyncio.to_thread(index.claim_manifest, name, holder, self.me)
             except BackendError:
                 self._records.dirty = True  # Redis down: list here, at worst twice
-        if early:
-            ref, digest, manifest = await self.listings.publish_early(spec, token)
-        else:
+                # Two stores listing apart would publish other prefix ends to
+                # their ranks (other first-epoch segments): the whole only.
+                early = False
+        if not early:
             ref, digest, manifest = await self.listings.publish(spec, token)
-        if not manifest.is_prefix:
             await self._publish(name, digest, manifest)
+            return [ref, digest]
+        ref, digest, manifest, rest = await self.listings.publish_early(spec, token)
+        if rest is None:
+            await self._publish(name, digest, manifest)
+        else:  # recorded once the listing ends, as any listing is
+            asyncio.ensure_future(self._publish_when_done(name, rest))
         return [ref, digest]
 
-    async def leading(self, name: str) -> list[Any]:
-        """``[reference, digest]`` of the latest prefix of ``name``'s listing
-        still under way, ``[]`` once it ended (then ``published`` answers):
-        asked of the store that lists it, which the others ask in turn."""
-        found = self.listings.leading(name)
-        if found is not None:
-            return [found[0], found[1]]
+    async def _publish_when_done(self, name: str, listing: Any) -> None:
+        try:
+            _, digest, manifest = await listing
+        except Exception:  # the listing's error reaches its next caller
+            return
+        await self._publish(name, digest, manifest)
+
+    async def leading(self, name: str, digest: str) -> list[Any]:
+        """``[reference, digest, state]``: what follows prefix ``digest`` of
+        ``name`` (``Listings.leading``: the longest prefix of its listing so
+        far, or the finished listing, or ``"failed"``), ``[]`` when no store
+        knows it. Asked of the store that lists it, by the others in turn."""
+        found = self.listings.leading(name, digest)
+        if found is not None and found[2] != "listing" or self._lists(name):
+            return [] if found is None else list(found)
         holder = self._listed_on.get(name)
         handle = self._peer(holder) if holder and holder != self.node_id else None
         if handle is None:
-            return []
+            return [] if found is None else list(found)
         try:
-            got = await handle.leading.remote(name)
+            got = await handle.leading.remote(name, digest)
         except Exception as exc:  # the holder died: its listing with it
             if type(exc).__module__.split(".")[0] != "ray":
                 raise
-            return []
-        if got:
+            return [] if found is None else list(found)
+        if got and got[2] != "failed":
             await self.listings.adopt(name, got[1], got[0])
         return list(got)
+
+    def _lists(self, name: str) -> bool:
+        """This store made ``name``'s listings (it holds the claim's work)."""
+        holder = self._listed_on.get(name)
+        return not holder or holder == self.node_id
 
     def held_ref(self, dataset: str, digest: str) -> list[Any]:
         """``[reference]`` of a manifest this store holds, or ``[]``."""

@@ -326,10 +326,11 @@ class CacheShard:
             name, spec, token, forwarded=forwarded, early=early
         )
 
-    async def leading(self, dataset: str) -> list[Any]:
-        """``[reference, digest]`` of the longest prefix published so far by
-        ``dataset``'s listing under way, ``[]`` when none runs."""
-        return await self._manifests.leading(dataset)
+    async def leading(self, dataset: str, digest: str) -> list[Any]:
+        """``[reference, digest, state]``: what follows prefix ``digest`` of
+        ``dataset``'s listing: its longest prefix so far (``"listing"``), the
+        finished listing (``"done"``), or ``"failed"``; ``[]`` if unknown."""
+        return await self._manifests.leading(dataset, digest)
 
     async def take_span(self, dataset: str, version: str) -> list[Any]:
         """``[reference]`` of the bytes this store's listing kept for unit
