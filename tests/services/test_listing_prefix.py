@@ -224,11 +224,17 @@ def test_a_ray_store_answers_early_on_both_nodes(
                              for i, k in enumerate(keys[: len(joined)])]  # fmt: skip
     assert ray.get(here.manifest_of.remote("rs", digest))  # held for builds
     lengths = [len(first)]
-    while got := ray.get(there.leading.remote("rs")):
+    # The other node's store asks the one that lists what follows the prefix.
+    while (got := ray.get(there.leading.remote("rs", digest)))[2] == "listing":
         lengths.append(len(Manifest.from_object(ray.get(got[0]))))
         time.sleep(0.1)
+    assert got[2] == "done"
+    whole = Manifest.from_object(ray.get(got[0]))
     whole_ref, whole_digest = ray.get(there.manifest.remote(spec, "open/j"))
-    whole = Manifest.from_object(ray.get(whole_ref))
+    assert whole_digest == got[1]
+    assert Manifest.from_object(ray.get(whole_ref)).prefix_ends.tolist() == (
+        whole.prefix_ends.tolist()
+    )  # the token's own listing
     assert not whole.is_prefix and len(whole) == len(keys)
     assert lengths == sorted(lengths)
     mine = first.columns["chunk_starts"]
