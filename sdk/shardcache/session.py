@@ -237,6 +237,14 @@ class RankSession:
         if post.listing and post.listing != self.generations.digest:
             found = self.generations.follow(self.client, reader.manifest, post.listing)
             self.use_listing(found.manifest, found.digest, found.stale_chunks)
+            if not self.sampler.listing.complete:
+                # This worker's copy of the sampler follows its rank to a
+                # longer prefix of a listing still being listed (the rank's
+                # own sampler is moved by the dataset, last).
+                new = found.manifest
+                self.sampler.extend(
+                    new.layout.sizes(), new.prefix_ends, not new.is_prefix
+                )
         if post.moves_generation(Post.decode(self._followed or "")):
             self.generations.renew()
         self._followed = text  # only once followed: a failed move is tried again
@@ -263,13 +271,6 @@ class RankSession:
         """Read ``manifest`` from now on (a refresh): chunks built from changed
         objects are dropped and the stores learn the new listing."""
         self.manifest = manifest
-        if not self.sampler.listing.complete:
-            # A DataLoader worker's copy of the sampler, following its rank
-            # to a longer prefix of a listing still being listed.
-            sampler = self.sampler
-            sampler.extend(
-                manifest.layout.sizes(), manifest.prefix_ends, not manifest.is_prefix
-            )
         if self.reader is not None:
             self.reader.set_manifest(manifest, digest)
             self.reader.drop_chunks(stale)

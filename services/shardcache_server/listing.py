@@ -92,28 +92,42 @@ def listing_budget(settings: Any) -> BudgetSpec | None:
     }
 
 
+def _planned(sizes: np.ndarray, spec: dict[str, Any]) -> np.ndarray:
+    """Chunk starts planned for objects of ``sizes`` with the spec's chunk size."""
+    layout = plan_chunks(
+        sizes,
+        int(spec.get("chunk_bytes") or DEFAULT_CHUNK_BYTES),
+        int(spec.get("chunk_samples") or DEFAULT_CHUNK_SAMPLES),
+    )
+    return np.asarray(layout.starts, dtype=np.int64)
+
+
+def _kept_starts(previous: Manifest | None, manifest: Manifest) -> np.ndarray | None:
+    """``previous``'s chunk starts when its first URLs are ``manifest``'s
+    (all of them, or a prefix's), else ``None``."""
+    if not isinstance(previous, Manifest) or "chunk_starts" not in previous.columns:
+        return None
+    n, mine = len(manifest), manifest.columns["name_offsets"]
+    if len(previous) < n or not (
+        np.array_equal(previous.columns["name_offsets"][: n + 1], mine)
+        and np.array_equal(
+            previous.columns["names"][: int(mine[-1])], manifest.columns["names"]
+        )
+    ):
+        return None
+    return np.asarray(previous.columns["chunk_starts"], dtype=np.int64)
+
+
 def _starts_for(
     manifest: Manifest, previous: Manifest | None, spec: dict[str, Any]
 ) -> np.ndarray:
     """Chunk starts for ``manifest``: ``previous``'s when it lists the same
     URLs, so a changed object changes only its own chunk's version (a new
     size must not move every later chunk boundary), else planned."""
-    if (
-        isinstance(previous, Manifest)
-        and "chunk_starts" in previous.columns
-        and np.array_equal(
-            previous.columns["name_offsets"], manifest.columns["name_offsets"]
-        )
-        and np.array_equal(previous.columns["names"], manifest.columns["names"])
-    ):
-        return np.asarray(previous.columns["chunk_starts"], dtype=np.int64)
-    return np.asarray(
-        manifest.plan(
-            int(spec.get("chunk_bytes") or DEFAULT_CHUNK_BYTES),
-            int(spec.get("chunk_samples") or DEFAULT_CHUNK_SAMPLES),
-        ).starts,
-        dtype=np.int64,
-    )
+    kept = _kept_starts(previous, manifest)
+    if kept is not None and len(previous) == len(manifest):  # type: ignore[arg-type]
+        return kept
+    return _planned(manifest.sizes, spec)
 
 
 def cut_prefix(
@@ -135,22 +149,11 @@ def cut_prefix(
     (:func:`_keep_announced`; :func:`list_with_layout` does the same for
     the finished listing).
     """
-    n = len(prefix)
-    starts: np.ndarray | None = None
-    if isinstance(previous, Manifest) and "chunk_starts" in previous.columns:
-        offsets = previous.columns["name_offsets"]
-        mine = prefix.columns["name_offsets"]
-        if (
-            len(previous) >= n
-            and np.array_equal(offsets[: n + 1], mine)
-            and np.array_equal(
-                previous.columns["names"][: int(mine[-1])], prefix.columns["names"]
-            )
-        ):
-            old = np.asarray(previous.columns["chunk_starts"], dtype=np.int64)
-            starts = old[old <= n]  # every chunk of previous inside the prefix
-    if starts is None:
-        starts = _starts_for(prefix, None, spec)[:-1]  # the last may still grow
+    kept = _kept_starts(previous, prefix)
+    if kept is not None:
+        starts = kept[kept <= len(prefix)]  # every chunk of previous inside it
+    else:
+        starts = _planned(prefix.sizes, spec)[:-1]  # the last may still grow
     starts = _keep_announced(starts, announced, prefix, spec, whole=False)
     done = 0 if announced is None else int(announced[-1])
     if len(starts) < 2 or int(starts[-1]) <= done:
@@ -178,12 +181,8 @@ def _keep_announced(
     if announced is None or np.array_equal(starts[: len(announced)], announced):
         return starts
     end = int(announced[-1])
-    planned = plan_chunks(
-        manifest.sizes[end:],
-        int(spec.get("chunk_bytes") or DEFAULT_CHUNK_BYTES),
-        int(spec.get("chunk_samples") or DEFAULT_CHUNK_SAMPLES),
-    ).starts
-    rest = np.asarray(planned[1:] if whole else planned[1:-1], np.int64) + end
+    planned = _planned(manifest.sizes[end:], spec)
+    rest = (planned[1:] if whole else planned[1:-1]) + end
     return np.concatenate([np.asarray(announced, np.int64), rest])
 
 
@@ -255,6 +254,11 @@ Lister = Callable[[dict[str, Any], Any, int, PrefixSink | None], Awaitable[Liste
 _DONE = object()  # the listing thread finished (its result or error is in the job)
 
 
+def _marked(prefix: Manifest) -> dict[str, Any]:
+    """A prefix's object-store form, marked as one (``Manifest.is_prefix``)."""
+    return {**prefix.to_object(), PREFIX_COLUMN: np.int64(len(prefix))}
+
+
 def _list_task(
     spec: dict[str, Any],
     previous: Any,
@@ -284,7 +288,7 @@ def _list_task(
     versions, sizes = [], []
 
     def prefix_out(prefix: Manifest) -> None:
-        found.put((None, {**prefix.to_object(), PREFIX_COLUMN: np.int64(len(prefix))}))
+        found.put((None, _marked(prefix)))
 
     out = prefix_out if stream and not spec.get("format") else None
     with ThreadPoolExecutor(1, thread_name_prefix="listing") as pool:
@@ -293,11 +297,9 @@ def _list_task(
         )
         job.add_done_callback(lambda _: found.put(_DONE))
         while (item := found.get()) is not _DONE:
-            if item[0] is None:  # a prefix: not a unit's bytes
-                yield item[1]
-                continue
-            versions.append(item[0])
-            sizes.append(len(item[1]))
+            if item[0] is not None:  # a unit's bytes (else a prefix)
+                versions.append(item[0])
+                sizes.append(len(item[1]))
             yield item[1]
         listed = job.result()  # the listing's own error, if it failed
     yield listed.to_object()
@@ -396,7 +398,7 @@ def list_in_thread(
         loop = asyncio.get_running_loop()
 
         def prefix_out(prefix: Manifest) -> None:
-            marked = {**prefix.to_object(), PREFIX_COLUMN: np.int64(len(prefix))}
+            marked = _marked(prefix)
             ref = put(marked)
             if on_prefix is not None:
                 mapped = Manifest.from_object(marked)
@@ -447,7 +449,8 @@ class Listings:
         self._held: dict[str, dict[str, tuple[Any, Manifest]]] = {}
         self._published: dict[str, str] = {}  # the digest of my latest listing
         self._published_at: dict[str, float] = {}  # when that listing began
-        self._tokens: dict[str, dict[str, tuple[float, str]]] = {}  # -> (start, digest)
+        # token -> (start, digest, reference, mapped): the listing that answered it
+        self._tokens: dict[str, dict[str, tuple[float, str, Any, Manifest]]] = {}
         # dataset -> (the listing under way, when it began)
         self._inflight: dict[str, tuple[asyncio.Future[tuple[Any, str]], float]] = {}
         # Prefixes published while listings ran (list_stream.py), by digest,
@@ -483,11 +486,17 @@ class Listings:
         for old, (_, prefix, began) in list(self._prefixes.get(dataset, {}).items()):
             if prefix.is_prefix and extends(manifest, prefix):
                 self._prefixes[dataset][old] = (ref, manifest, began)
+        self._hold(dataset, digest, ref, manifest)
+        return manifest
+
+    def _hold(self, dataset: str, digest: str, ref: Any, manifest: Manifest) -> None:
+        """Hold a finished listing under ``digest`` (the newest, replacing one
+        held there), at most ``MANIFESTS_KEPT`` per dataset."""
         kept = self._held.setdefault(dataset, {})
+        kept.pop(digest, None)
         kept[digest] = (ref, manifest)
         while len(kept) > MANIFESTS_KEPT:
             kept.pop(next(iter(kept)))
-        return manifest
 
     async def _map(self, ref: Any) -> Manifest:
         value = self._get(ref)
@@ -603,15 +612,10 @@ class Listings:
         seen = self._tokens.get(dataset, {}).get(token)
         return None if seen is None else seen[3]
 
-    def _remember(
-        self, name: str, token: str, started: float, digest: str, ref: Any = None
-    ) -> None:
+    def _remember(self, name: str, token: str, started: float, digest: str) -> None:
+        """``token`` is answered by the listing held under ``digest`` now."""
         tokens = self._tokens.setdefault(name, {})
-        if ref is None:  # a listing another call made: the one held now
-            ref, manifest = self._held[name][digest]
-        else:
-            manifest = self._held[name][digest][1]
-        tokens[token] = (started, digest, ref, manifest)
+        tokens[token] = (started, digest, *self._held[name][digest])
         for old in [
             t for t, v in tokens.items() if v[0] < started - REFRESH_TOKEN_TTL_S
         ]:
@@ -667,11 +671,8 @@ class Listings:
             # objects is held under the digest: its prefix ends and chunks
             # are what this listing's ranks read.
             manifest = await self._map(ref)
-            kept = self._held.setdefault(name, {})
-            kept.pop(digest, None)
-            kept[digest] = (ref, manifest)
-            while len(kept) > MANIFESTS_KEPT:
-                kept.pop(next(iter(kept)))
+            self._hold(name, digest, ref, manifest)
+            kept = self._held[name]
             self.spans.hold(
                 name,
                 listed.spans,
@@ -689,7 +690,7 @@ class Listings:
                 )
             self._published[name] = digest
             self._published_at[name] = started
-            self._remember(name, token, started, digest, ref)
+            self._remember(name, token, started, digest)
             # A failed listing's prefixes are read by nobody new, nor are
             # those of a finished listing no longer held; this one's are
             # answered with it from now on (its ranks still name them).
