@@ -16,8 +16,9 @@ resumed job computes the same one.
 
 What the first epoch gives up: the shuffle spans a segment, not the whole
 dataset (the first segment's keys come first), the first segment is read
-chunk by chunk (each chunk's rows shuffled, the chunks in a random order:
-its first batch then waits for one chunk's build, not for all of them),
+chunk by chunk (each chunk's rows shuffled, the chunks in a random order,
+the listing's small first pieces first: its first batch then waits for one
+small build, not for all of them),
 and each segment pads (or, with ``drop_last``, drops) up to ``W - 1``
 samples. Later epochs read the finished listing as any other.
 """
@@ -32,7 +33,13 @@ import numpy as np
 from shardcache.chunks import ChunkLayout
 from shardcache.sharding import assign_chunks, epoch_order
 
-__all__ = ["GrowingListing", "segment_bounds", "segment_order", "segmented_length"]
+__all__ = [
+    "GrowingListing",
+    "chunkwise_order",
+    "segment_bounds",
+    "segment_order",
+    "segmented_length",
+]
 
 _GOLDEN = 0x9E3779B1  # spreads the segment number over the seed
 
@@ -96,11 +103,9 @@ def segment_order(
     if not len(mine) and count:
         mine = np.array([lo + rank % n], dtype=np.int64)  # a segment under W samples
     if number == 0 and shuffle and not block_samples:
-        # The first segment goes chunk by chunk (each chunk's rows shuffled,
-        # the chunks in a random order): a shuffle over all of it would make
-        # the job's first batch wait for every chunk of it to be built.
-        chunks = len(np.unique(layout.chunk_of(mine)))
-        block_samples = -(-len(mine) // max(chunks, 1))
+        # The first segment goes chunk by chunk: a shuffle over all of it
+        # would make the job's first batch wait for every chunk of it.
+        return _fit(chunkwise_order(mine, layout, [seg_seed, 0]), count)
     return epoch_order(
         mine,
         count,
@@ -110,6 +115,35 @@ def segment_order(
         block_samples=block_samples,
         layout=layout if block_samples else None,
     )
+
+
+def chunkwise_order(samples: np.ndarray, layout: ChunkLayout, seed: Any) -> np.ndarray:
+    """``samples`` chunk by chunk, each chunk's rows shuffled and the chunks
+    in a random order, except that chunks under a quarter of the largest
+    come first (a streamed listing's first chunk is cut into small pieces,
+    ``RAMP_PIECES`` in the services' listing: reading one of them first,
+    the job's first batch waits for a small build, not a whole chunk's).
+
+    >>> layout = ChunkLayout(np.array([0, 1, 2, 10, 18]))
+    >>> order = chunkwise_order(np.arange(18), layout, 0)
+    >>> sorted(order[:2].tolist()), sorted(order.tolist()) == list(range(18))
+    ([0, 1], True)
+    """
+    rng = np.random.default_rng(seed)
+    chunks, dense = np.unique(layout.chunk_of(samples), return_inverse=True)
+    sizes = np.diff(layout.starts)[chunks]
+    small = sizes * 4 < sizes.max(initial=0)
+    position = np.empty(len(chunks), dtype=np.int64)
+    position[np.lexsort((rng.random(len(chunks)), ~small))] = np.arange(len(chunks))
+    return samples[np.lexsort((rng.random(len(samples)), position[dense]))]
+
+
+def _fit(order: np.ndarray, count: int) -> np.ndarray:
+    """``order`` cut or padded with its own samples to ``count`` (as
+    :func:`~shardcache.sharding.epoch_order` does)."""
+    if len(order) >= count:
+        return order[:count]
+    return np.tile(order, -(-count // max(len(order), 1)))[:count]
 
 
 def segmented_length(

@@ -92,14 +92,32 @@ def listing_budget(settings: Any) -> BudgetSpec | None:
     }
 
 
-def _planned(sizes: np.ndarray, spec: dict[str, Any]) -> np.ndarray:
-    """Chunk starts planned for objects of ``sizes`` with the spec's chunk size."""
+# A streamed listing's first chunk is cut into this many pieces: the job's
+# first batch waits for one piece's build (256 GETs at the default 4,096
+# objects a chunk, not 4,096), and the pieces are few enough that the
+# chunk count barely moves.
+RAMP_PIECES = 16
+
+
+def _planned(sizes: np.ndarray, spec: dict[str, Any], ramp: bool = False) -> np.ndarray:
+    """Chunk starts planned for objects of ``sizes`` with the spec's chunk size.
+
+    ``ramp``: the first chunk, once it is whole (a second start is
+    planned), is cut into ``RAMP_PIECES`` equal pieces. Planning is
+    prefix-stable (a prefix plans the finished listing's first chunks), so
+    the pieces a prefix announces are the finished listing's too.
+    """
     layout = plan_chunks(
         sizes,
         int(spec.get("chunk_bytes") or DEFAULT_CHUNK_BYTES),
         int(spec.get("chunk_samples") or DEFAULT_CHUNK_SAMPLES),
     )
-    return np.asarray(layout.starts, dtype=np.int64)
+    starts = np.asarray(layout.starts, dtype=np.int64)
+    if not ramp or len(starts) < 3:  # no whole first chunk before the last
+        return starts
+    first = int(starts[1])
+    pieces = np.unique(np.arange(RAMP_PIECES, dtype=np.int64) * first // RAMP_PIECES)
+    return np.concatenate([pieces, starts[1:]])
 
 
 def _kept_starts(previous: Manifest | None, manifest: Manifest) -> np.ndarray | None:
@@ -119,15 +137,19 @@ def _kept_starts(previous: Manifest | None, manifest: Manifest) -> np.ndarray | 
 
 
 def _starts_for(
-    manifest: Manifest, previous: Manifest | None, spec: dict[str, Any]
+    manifest: Manifest,
+    previous: Manifest | None,
+    spec: dict[str, Any],
+    ramp: bool = False,
 ) -> np.ndarray:
     """Chunk starts for ``manifest``: ``previous``'s when it lists the same
     URLs, so a changed object changes only its own chunk's version (a new
-    size must not move every later chunk boundary), else planned."""
+    size must not move every later chunk boundary), else planned
+    (``ramp``: see :func:`_planned`)."""
     kept = _kept_starts(previous, manifest)
     if kept is not None and len(previous) == len(manifest):  # type: ignore[arg-type]
         return kept
-    return _planned(manifest.sizes, spec)
+    return _planned(manifest.sizes, spec, ramp)
 
 
 def cut_prefix(
@@ -153,7 +175,9 @@ def cut_prefix(
     if kept is not None:
         starts = kept[kept <= len(prefix)]  # every chunk of previous inside it
     else:
-        starts = _planned(prefix.sizes, spec)[:-1]  # the last may still grow
+        # The last may still grow. The first is cut into pieces (a prefix
+        # is published for a job waiting on it: see _planned).
+        starts = _planned(prefix.sizes, spec, ramp=True)[:-1]
     starts = _keep_announced(starts, announced, prefix, spec, whole=False)
     done = 0 if announced is None else int(announced[-1])
     if len(starts) < 2 or int(starts[-1]) <= done:
@@ -237,7 +261,7 @@ def list_with_layout(
     manifest = list_source(
         spec["urls"], options, source_budget, spread, prefix_to, stream_after_s
     )
-    starts = _starts_for(manifest, previous, spec)
+    starts = _starts_for(manifest, previous, spec, ramp=bool(ends))
     starts = _keep_announced(
         starts, announced[0] if announced else None, manifest, spec
     )

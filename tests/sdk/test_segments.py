@@ -141,6 +141,25 @@ def test_the_first_segment_is_read_chunk_by_chunk() -> None:
     assert len(set(layout.chunk_of(later[:50]).tolist())) > 1
 
 
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_the_listings_small_first_pieces_are_read_first(world: int) -> None:
+    """A streamed listing's first chunk comes in 16 pieces (the services'
+    RAMP_PIECES): a rank holding one reads it before any whole chunk, so
+    its first batch waits for a piece's build."""
+    layout = ChunkLayout.from_sizes(np.array([16] * 16 + [256] * 24))
+    small = set(range(16))
+    for rank in range(world):
+        order = segment_order(
+            layout, (0, 16 * 16 + 256 * 24), 0, world, rank,
+            seed=3, shuffle=True, drop_last=False,
+        )  # fmt: skip
+        chunks = layout.chunk_of(order)
+        held = len(set(chunks.tolist()) & small)
+        assert held  # 16 pieces dealt among at most 16 ranks
+        assert set(chunks[: 16 * held].tolist()) <= small
+        assert len(set(chunks[:16].tolist())) == 1  # one piece at a time
+
+
 def test_the_stateful_protocol_resumes_the_saved_segments_too() -> None:
     """torchdata's StatefulDataLoader restores through the sampler's own
     ``load_state_dict``: the saved segments decide the order there too."""

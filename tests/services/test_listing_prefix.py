@@ -15,6 +15,7 @@ from shardcache.manifest import Manifest
 from shardcache_server import objects
 from shardcache_server.emulator import FaultPlan
 from shardcache_server.listing import (
+    RAMP_PIECES,
     Listings,
     cut_prefix,
     list_in_thread,
@@ -107,6 +108,31 @@ def test_prefix_chunks_are_the_final_chunks(
         assert np.array_equal(starts[: len(mine)], mine)
         k = len(mine) - 1
         assert np.array_equal(prefix.chunk_versions(prefix.layout), versions[:k])
+
+
+def test_a_streamed_listings_first_chunk_comes_in_pieces(
+    s3: Any, s3fs_client: Any, bucket: str, slow_pages: None
+) -> None:
+    """The job waiting on a streamed listing first reads a piece of its
+    first chunk (RAMP_PIECES of them), announced by the first prefix and
+    kept by the finished listing; a listing published whole is not cut."""
+    keys = [f"r/{i:05d}" for i in range(320)]
+    _fill(s3fs_client, bucket, keys)
+    spec = {
+        "urls": f"s3://{bucket}/r/",
+        "storage_options": s3.storage_options(),
+        "chunk_samples": 32,
+    }
+    got: list[Manifest] = []
+    final = list_with_layout(spec, None, on_prefix=got.append, stream_after_s=0.1)
+    assert got
+    starts = final.columns["chunk_starts"]
+    assert starts[: RAMP_PIECES + 2].tolist() == [*range(0, 32, 2), 32, 64]
+    for prefix in got:
+        mine = prefix.columns["chunk_starts"]
+        assert np.array_equal(starts[: len(mine)], mine)
+    whole = list_with_layout(spec, None)  # no job waits on it: plain chunks
+    assert whole.columns["chunk_starts"][:3].tolist() == [0, 32, 64]
 
 
 def test_the_final_keeps_the_chunks_a_prefix_announced(
