@@ -480,13 +480,6 @@ class ShardSampler(DistributedSampler[int]):
                     f"state has {key}={merged.get(key)!r} but this sampler has "
                     f"{mine!r}; resume with the same settings."
                 )
-        if merged.get("segments"):
-            raise ConfigError(
-                "state was saved in the first epoch of a listing read while it "
-                "was still listed (its order goes by segments): resume it at "
-                f"the world size it was saved at ({merged.get('world_size')}), "
-                "or from a state saved in a later epoch."
-            )
         plan = plan_resume(self.sizes, merged, self.world_size, nodes)
         epoch = int(merged["epoch"])
         if nodes is not None and self.mode == "shard":

@@ -83,8 +83,14 @@ def segment_order(
     shuffle: bool,
     drop_last: bool,
     block_samples: int = 0,
+    whole: bool = False,
 ) -> np.ndarray:
     """This rank's samples of segment ``number`` (``bounds``), in order.
+
+    ``whole``: the segment is the whole listing (a fresh listing read
+    chunk by chunk, not one read while it was listed): its chunks are dealt
+    as the stable shards of later epochs are, so each chunk is built on the
+    node that reads it in every epoch.
 
     >>> layout = ChunkLayout(np.array([0, 2, 4, 6]))
     >>> a = segment_order(layout, (0, 6), 0, 2, 0, seed=0, shuffle=False, drop_last=False)
@@ -97,7 +103,8 @@ def segment_order(
     first, last = np.searchsorted(starts, [lo, hi])
     sizes = np.diff(starts[first : last + 1])
     seg_seed = (int(seed) + _GOLDEN * (number + 1)) & 0xFFFFFFFF
-    mine = assign_chunks(sizes, world_size, seg_seed)[rank].astype(np.int64) + lo
+    deal_seed = int(seed) if whole else seg_seed
+    mine = assign_chunks(sizes, world_size, deal_seed)[rank].astype(np.int64) + lo
     n = hi - lo
     count = n // world_size if drop_last else -(-n // world_size)
     if not len(mine) and count:
@@ -198,9 +205,18 @@ class GrowingListing:
         if key != self._for:
             self._orders, self._for = [], key
         bounds = segment_bounds(layout.starts, self.ends, self.complete)
+        whole = self.complete and bounds == [(0, int(layout.starts[-1]))]
         for number in range(len(self._orders), len(bounds)):
             self._orders.append(
-                segment_order(layout, bounds[number], number, world_size, rank, **order)
+                segment_order(
+                    layout,
+                    bounds[number],
+                    number,
+                    world_size,
+                    rank,
+                    whole=whole,
+                    **order,
+                )
             )
         return self._orders
 

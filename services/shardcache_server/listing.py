@@ -152,6 +152,29 @@ def _starts_for(
     return _planned(manifest.sizes, spec, ramp)
 
 
+# A cold full shuffle's first batch touches about this many chunks (a batch
+# of 64 samples, each from its own chunk) and waits for every one of them.
+FIRST_BATCH_CHUNKS = 64
+# The source reads such a first batch may wait for before a job's first
+# epoch of a fresh listing is read chunk by chunk instead (two default
+# chunks: a few seconds from an object store).
+COLD_FIRST_BATCH_READS = 8192
+
+
+def _cold_and_slow(
+    manifest: Manifest, previous: Manifest | None, starts: np.ndarray
+) -> bool:
+    """Nothing of ``manifest`` can be cached yet (no ``previous`` listing of
+    its first URLs), and a full shuffle's first batch would wait for at
+    least ``COLD_FIRST_BATCH_READS`` source reads: the job's first epoch
+    goes by one segment (``shardcache.segments``), chunk by chunk."""
+    chunks = len(starts) - 1
+    if chunks < 2 or _kept_starts(previous, manifest) is not None:
+        return False
+    reads = min(chunks, FIRST_BATCH_CHUNKS) * len(manifest) / chunks
+    return reads >= COLD_FIRST_BATCH_READS
+
+
 def cut_prefix(
     prefix: Manifest,
     previous: Manifest | None,
@@ -262,6 +285,15 @@ def list_with_layout(
         spec["urls"], options, source_budget, spread, prefix_to, stream_after_s
     )
     starts = _starts_for(manifest, previous, spec, ramp=bool(ends))
+    if (
+        on_prefix is not None
+        and not ends
+        and _cold_and_slow(manifest, previous, starts)
+    ):
+        # Listed before any prefix was due, for a job waiting on it: its
+        # first epoch is one segment, read chunk by chunk from the pieces.
+        starts = _planned(manifest.sizes, spec, ramp=True)
+        ends.append(len(manifest))
     starts = _keep_announced(
         starts, announced[0] if announced else None, manifest, spec
     )

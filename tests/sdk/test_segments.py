@@ -116,13 +116,26 @@ def test_a_resume_of_the_first_epoch_reads_the_saved_segments() -> None:
     assert again.state()["segments"] is None
 
 
-def test_a_first_epoch_state_resumed_at_another_world_size_is_refused() -> None:
-    sizes = np.array([8, 8, 8, 8])
-    sampler = ShardSampler(sizes, 0, 1, listing=GrowingListing([16]))
-    merged = {**sampler.state(), "consumed": [3, 3], "world_size": 2,
-              "nodes": ["a", "b"]}  # fmt: skip
-    with pytest.raises(ConfigError, match="world size it was saved at"):
-        sampler.resume_elastic(merged, ["a"])
+@pytest.mark.parametrize("new_world", [1, 3])
+def test_a_first_epoch_state_resumes_at_another_world_size(new_world: int) -> None:
+    """An elastic resume of a segmented first epoch deals exactly the samples
+    the old ranks had not read: the old orders are recomputed from the
+    saved segments (resume.plan.world_orders)."""
+    sizes = np.array([8] * 10)
+    ends = [32]  # segments (0, 32) and (32, 80)
+    old = [ShardSampler(sizes, r, 2, listing=GrowingListing(ends)) for r in range(2)]
+    consumed = [10, 23]  # rank 1 is past the first segment
+    seen = [i for s, c in zip(old, consumed, strict=True) for i in list(s)[:c]]
+    merged = {**old[0].state(), "consumed": consumed, "nodes": ["a", "b"]}
+    assert merged["segments"] == ends
+    rest = []
+    for r in range(new_world):
+        sampler = ShardSampler(sizes, r, new_world, listing=GrowingListing(ends))
+        sampler.resume_elastic(merged, ["a"] * new_world)
+        rest += list(sampler)
+    assert not set(seen) & set(rest)
+    assert sorted(set(seen) | set(rest)) == list(range(80))
+    assert len(rest) - len(set(rest)) < new_world  # padding only
 
 
 def test_the_first_segment_is_read_chunk_by_chunk() -> None:
@@ -158,6 +171,24 @@ def test_the_listings_small_first_pieces_are_read_first(world: int) -> None:
         assert held  # 16 pieces dealt among at most 16 ranks
         assert set(chunks[: 16 * held].tolist()) <= small
         assert len(set(chunks[:16].tolist())) == 1  # one piece at a time
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_whole_listing_as_one_segment_deals_the_stable_shards(world: int) -> None:
+    """A fresh listing read chunk by chunk in its first epoch (one segment,
+    the whole listing) gives each rank the chunks of its stable shard, so
+    later epochs read them where the first one built them."""
+    sizes = np.array([16] * 16 + [256] * 12)
+    n = int(sizes.sum())
+    for rank in range(world):
+        one = ShardSampler(sizes, rank, world, seed=5, listing=GrowingListing([n]))
+        plain = ShardSampler(sizes, rank, world, seed=5)
+        first = np.asarray(list(one))
+        assert set(first.tolist()) == set(plain.shard.tolist())
+        assert len(first) == len(list(plain))  # the same count as any epoch
+        assert len(set(one.layout.chunk_of(first[:16]).tolist())) == 1
+        one.set_epoch(1)
+        assert list(one) == list(plain.order(1))
 
 
 def test_the_stateful_protocol_resumes_the_saved_segments_too() -> None:

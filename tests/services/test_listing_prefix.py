@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from shardcache.manifest import Manifest
-from shardcache_server import objects
+from shardcache_server import listing, objects
 from shardcache_server.emulator import FaultPlan
 from shardcache_server.listing import (
     RAMP_PIECES,
@@ -133,6 +133,36 @@ def test_a_streamed_listings_first_chunk_comes_in_pieces(
         assert np.array_equal(starts[: len(mine)], mine)
     whole = list_with_layout(spec, None)  # no job waits on it: plain chunks
     assert whole.columns["chunk_starts"][:3].tolist() == [0, 32, 64]
+
+
+def test_a_fresh_listing_a_job_waits_for_is_one_segment_from_pieces(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Listed before any prefix was due, for a job waiting on it: when a full
+    shuffle's first batch would wait for COLD_FIRST_BATCH_READS reads, the
+    listing carries one segment (its first epoch read chunk by chunk) and
+    its first chunk in pieces. Not when the first batch is cheap, when no
+    job waits (a refresh), or when a previous listing's chunks are kept."""
+    monkeypatch.setattr(listing, "COLD_FIRST_BATCH_READS", 200)
+    for i in range(400):
+        (tmp_path / f"{i:04d}.bin").write_bytes(b"x")
+    spec = {"urls": f"file://{tmp_path}", "chunk_samples": 64}
+
+    def waited(spec: dict[str, Any], previous: Any = None) -> Manifest:
+        return list_with_layout(spec, previous, on_prefix=lambda _: None)
+
+    cold = waited(spec)
+    assert cold.prefix_ends.tolist() == [400] and not cold.is_prefix
+    assert cold.columns["chunk_starts"][: RAMP_PIECES + 2].tolist() == [
+        *range(0, 64, 4),
+        64,
+        128,
+    ]
+    assert waited({**spec, "chunk_samples": 2}).prefix_ends.tolist() == []
+    plain = list_with_layout(spec, None)
+    assert plain.prefix_ends.tolist() == []
+    assert plain.columns["chunk_starts"][:3].tolist() == [0, 64, 128]
+    assert waited(spec, plain).prefix_ends.tolist() == []  # may be cached
 
 
 def test_the_final_keeps_the_chunks_a_prefix_announced(

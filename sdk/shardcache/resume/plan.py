@@ -17,6 +17,7 @@ import numpy as np
 from shardcache.chunks import ChunkLayout
 from shardcache.errors import ConfigError
 from shardcache.resume.deal import Deal, give_extra, group_pieces
+from shardcache.segments import GrowingListing
 from shardcache.sharding import (
     assign_chunks,
     block_shuffle,
@@ -41,10 +42,17 @@ def world_orders(
     if world["mode"] == "global":
         n = int(sizes.sum())
         return [global_order(n, w, r, seed, e, shuffle, drop_last) for r in range(w)]
+    layout, block = ChunkLayout.from_sizes(sizes), int(world.get("block", 0))
+    if world.get("segments") and e == 0:  # a listing read while it was listed
+        listing = GrowingListing(world["segments"])
+        order = {"seed": seed, "shuffle": shuffle, "drop_last": drop_last}
+        return [
+            np.concatenate(listing.orders(layout, w, r, block_samples=block, **order))
+            for r in range(w)
+        ]
     shards = world_shards(sizes, w, seed, world.get("basis"))
     lens = [len(s) for s in shards]
     num = min(lens) if drop_last else max(lens)
-    layout, block = ChunkLayout.from_sizes(sizes), int(world.get("block", 0))
     return [
         epoch_order(s, num, seed, e, shuffle, block_samples=block, layout=layout)
         for s in shards
