@@ -250,7 +250,9 @@ class Manifest:
     @property
     def prefix_ends(self) -> np.ndarray:
         """The lengths of the prefixes its listing published while it ran
-        (empty for a listing that published only its whole)."""
+        (empty for a listing that published only its whole; ``[0, n]`` for
+        one published whole whose first epoch is one segment read chunk by
+        chunk: ``shardcache.segments.WHOLE_LISTING``)."""
         return np.asarray(self.columns.get(PREFIX_ENDS, ()), dtype=np.int64)
 
     # -- whole-dataset views ----------------------------------------------------------

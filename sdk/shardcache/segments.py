@@ -34,6 +34,7 @@ from shardcache.chunks import ChunkLayout
 from shardcache.sharding import assign_chunks, epoch_order
 
 __all__ = [
+    "WHOLE_LISTING",
     "GrowingListing",
     "chunkwise_order",
     "segment_bounds",
@@ -42,6 +43,13 @@ __all__ = [
 ]
 
 _GOLDEN = 0x9E3779B1  # spreads the segment number over the seed
+
+# Leads the prefix ends of a fresh listing published whole for a job waiting
+# on it (``[WHOLE_LISTING, n]``): one segment, the whole listing, read chunk
+# by chunk and dealt as the later epochs' stable shards. No streamed
+# listing's ends begin with it (a prefix holds a whole chunk), so no rank
+# can take one for the other, whatever prefix it started on.
+WHOLE_LISTING = 0
 
 
 def segment_bounds(
@@ -205,7 +213,7 @@ class GrowingListing:
         if key != self._for:
             self._orders, self._for = [], key
         bounds = segment_bounds(layout.starts, self.ends, self.complete)
-        whole = self.complete and bounds == [(0, int(layout.starts[-1]))]
+        whole = len(self.ends) > 0 and int(self.ends[0]) == WHOLE_LISTING
         for number in range(len(self._orders), len(bounds)):
             self._orders.append(
                 segment_order(

@@ -33,6 +33,7 @@ from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES, plan_c
 from shardcache.listing_feed import extends
 from shardcache.manifest import PREFIX_COLUMN, PREFIX_ENDS, Manifest
 from shardcache.packed_manifest import PackedManifest
+from shardcache.segments import WHOLE_LISTING
 from shardcache_server.budget import budget_from_spec
 from shardcache_server.list_fanout import FanOut
 from shardcache_server.objects import list_source
@@ -92,20 +93,26 @@ def listing_budget(settings: Any) -> BudgetSpec | None:
     }
 
 
-# A streamed listing's first chunk is cut into this many pieces: the job's
-# first batch waits for one piece's build (256 GETs at the default 4,096
-# objects a chunk, not 4,096), and the pieces are few enough that the
-# chunk count barely moves.
+# A first chunk of many objects is cut into this many pieces: a job whose
+# first epoch is read chunk by chunk (shardcache.segments) waits for one
+# piece's build (256 GETs at the default 4,096 objects a chunk, not 4,096)
+# before its first batch. Only where the first chunk has RAMP_MIN_OBJECTS
+# or more (small objects: each chunk is thousands of GETs); a chunk of a few
+# large objects builds as fast as a piece would.
 RAMP_PIECES = 16
+RAMP_MIN_OBJECTS = 1024
 
 
-def _planned(sizes: np.ndarray, spec: dict[str, Any], ramp: bool = False) -> np.ndarray:
+def _planned(
+    sizes: np.ndarray, spec: dict[str, Any], pieces: bool = True
+) -> np.ndarray:
     """Chunk starts planned for objects of ``sizes`` with the spec's chunk size.
 
-    ``ramp``: the first chunk, once it is whole (a second start is
-    planned), is cut into ``RAMP_PIECES`` equal pieces. Planning is
-    prefix-stable (a prefix plans the finished listing's first chunks), so
-    the pieces a prefix announces are the finished listing's too.
+    A whole first chunk (a second start is planned) of ``RAMP_MIN_OBJECTS``
+    or more is cut into ``RAMP_PIECES`` equal pieces. Planning is a function
+    of the objects alone (the same objects always plan the same chunks, so
+    a listing made again by digest builds the same ones) and prefix-stable
+    (a prefix plans the finished listing's first chunks, pieces included).
     """
     layout = plan_chunks(
         sizes,
@@ -113,11 +120,11 @@ def _planned(sizes: np.ndarray, spec: dict[str, Any], ramp: bool = False) -> np.
         int(spec.get("chunk_samples") or DEFAULT_CHUNK_SAMPLES),
     )
     starts = np.asarray(layout.starts, dtype=np.int64)
-    if not ramp or len(starts) < 3:  # no whole first chunk before the last
-        return starts
+    if not pieces or len(starts) < 3 or int(starts[1]) < RAMP_MIN_OBJECTS:
+        return starts  # no whole first chunk before the last, or a quick one
     first = int(starts[1])
-    pieces = np.unique(np.arange(RAMP_PIECES, dtype=np.int64) * first // RAMP_PIECES)
-    return np.concatenate([pieces, starts[1:]])
+    cut = np.arange(RAMP_PIECES, dtype=np.int64) * first // RAMP_PIECES
+    return np.concatenate([cut, starts[1:]])
 
 
 def _kept_starts(previous: Manifest | None, manifest: Manifest) -> np.ndarray | None:
@@ -137,19 +144,15 @@ def _kept_starts(previous: Manifest | None, manifest: Manifest) -> np.ndarray | 
 
 
 def _starts_for(
-    manifest: Manifest,
-    previous: Manifest | None,
-    spec: dict[str, Any],
-    ramp: bool = False,
+    manifest: Manifest, previous: Manifest | None, spec: dict[str, Any]
 ) -> np.ndarray:
     """Chunk starts for ``manifest``: ``previous``'s when it lists the same
     URLs, so a changed object changes only its own chunk's version (a new
-    size must not move every later chunk boundary), else planned
-    (``ramp``: see :func:`_planned`)."""
+    size must not move every later chunk boundary), else planned."""
     kept = _kept_starts(previous, manifest)
     if kept is not None and len(previous) == len(manifest):  # type: ignore[arg-type]
         return kept
-    return _planned(manifest.sizes, spec, ramp)
+    return _planned(manifest.sizes, spec)
 
 
 # A cold full shuffle's first batch touches about this many chunks (a batch
@@ -198,9 +201,7 @@ def cut_prefix(
     if kept is not None:
         starts = kept[kept <= len(prefix)]  # every chunk of previous inside it
     else:
-        # The last may still grow. The first is cut into pieces (a prefix
-        # is published for a job waiting on it: see _planned).
-        starts = _planned(prefix.sizes, spec, ramp=True)[:-1]
+        starts = _planned(prefix.sizes, spec)[:-1]  # the last may still grow
     starts = _keep_announced(starts, announced, prefix, spec, whole=False)
     done = 0 if announced is None else int(announced[-1])
     if len(starts) < 2 or int(starts[-1]) <= done:
@@ -228,7 +229,7 @@ def _keep_announced(
     if announced is None or np.array_equal(starts[: len(announced)], announced):
         return starts
     end = int(announced[-1])
-    planned = _planned(manifest.sizes[end:], spec)
+    planned = _planned(manifest.sizes[end:], spec, pieces=False)  # not a first chunk
     rest = (planned[1:] if whole else planned[1:-1]) + end
     return np.concatenate([np.asarray(announced, np.int64), rest])
 
@@ -284,16 +285,16 @@ def list_with_layout(
     manifest = list_source(
         spec["urls"], options, source_budget, spread, prefix_to, stream_after_s
     )
-    starts = _starts_for(manifest, previous, spec, ramp=bool(ends))
+    starts = _starts_for(manifest, previous, spec)
     if (
         on_prefix is not None
         and not ends
         and _cold_and_slow(manifest, previous, starts)
     ):
         # Listed before any prefix was due, for a job waiting on it: its
-        # first epoch is one segment, read chunk by chunk from the pieces.
-        starts = _planned(manifest.sizes, spec, ramp=True)
-        ends.append(len(manifest))
+        # first epoch is one segment, the whole listing, read chunk by chunk
+        # (WHOLE_LISTING marks it: see shardcache.segments).
+        ends += [WHOLE_LISTING, len(manifest)]
     starts = _keep_announced(
         starts, announced[0] if announced else None, manifest, spec
     )

@@ -12,7 +12,12 @@ import pytest
 from shardcache.chunks import ChunkLayout
 from shardcache.errors import ConfigError
 from shardcache.sampler import ShardSampler
-from shardcache.segments import GrowingListing, segment_bounds, segment_order
+from shardcache.segments import (
+    WHOLE_LISTING,
+    GrowingListing,
+    segment_bounds,
+    segment_order,
+)
 
 
 def _layout(rng: np.random.Generator, chunks: int) -> np.ndarray:
@@ -138,6 +143,16 @@ def test_a_first_epoch_state_resumes_at_another_world_size(new_world: int) -> No
     assert len(rest) - len(set(rest)) < new_world  # padding only
 
 
+def test_a_state_saved_at_the_first_epochs_end_resumes_to_nothing_left() -> None:
+    sizes = np.array([8] * 10)
+    old = [ShardSampler(sizes, r, 2, listing=GrowingListing([32])) for r in range(2)]
+    merged = {**old[0].state(), "consumed": [len(list(s)) for s in old],
+              "nodes": ["a", "b"]}  # fmt: skip
+    sampler = ShardSampler(sizes, 0, 3, listing=GrowingListing([32]))
+    plan = sampler.resume_elastic(merged, ["a", "a", "b"])
+    assert plan.remaining == 0 and list(sampler) == []
+
+
 def test_the_first_segment_is_read_chunk_by_chunk() -> None:
     """A cold first batch waits for the chunks it touches: in the first
     segment, one; later segments (prefetched while the one before is read)
@@ -181,7 +196,9 @@ def test_a_whole_listing_as_one_segment_deals_the_stable_shards(world: int) -> N
     sizes = np.array([16] * 16 + [256] * 12)
     n = int(sizes.sum())
     for rank in range(world):
-        one = ShardSampler(sizes, rank, world, seed=5, listing=GrowingListing([n]))
+        one = ShardSampler(
+            sizes, rank, world, seed=5, listing=GrowingListing([WHOLE_LISTING, n])
+        )
         plain = ShardSampler(sizes, rank, world, seed=5)
         first = np.asarray(list(one))
         assert set(first.tolist()) == set(plain.shard.tolist())
@@ -189,6 +206,23 @@ def test_a_whole_listing_as_one_segment_deals_the_stable_shards(world: int) -> N
         assert len(set(one.layout.chunk_of(first[:16]).tolist())) == 1
         one.set_epoch(1)
         assert list(one) == list(plain.order(1))
+
+
+def test_a_prefix_that_is_the_whole_listing_deals_alike_before_and_after() -> None:
+    """A streamed listing whose one prefix turned out to be all of it (ends
+    ``[n]``): a rank that started on the prefix and one that got the
+    finished listing deal the same order (only WHOLE_LISTING marks a
+    listing dealt as the stable shards)."""
+    layout = ChunkLayout.from_sizes(np.array([16] * 16 + [256] * 12))
+    n = int(layout.starts[-1])
+    for rank in range(3):
+        early = GrowingListing([n], complete=False)
+        first = early.orders(layout, 3, rank, seed=2, shuffle=True, drop_last=False)
+        early.grew([n], True)
+        late = GrowingListing([n], complete=True)
+        order = dict(seed=2, shuffle=True, drop_last=False)
+        assert np.array_equal(first[0], late.orders(layout, 3, rank, **order)[0])
+        assert np.array_equal(early.orders(layout, 3, rank, **order)[0], first[0])
 
 
 def test_the_stateful_protocol_resumes_the_saved_segments_too() -> None:

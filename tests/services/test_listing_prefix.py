@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from shardcache.manifest import Manifest
+from shardcache.segments import WHOLE_LISTING
 from shardcache_server import listing, objects
 from shardcache_server.emulator import FaultPlan
 from shardcache_server.listing import (
@@ -111,11 +112,18 @@ def test_prefix_chunks_are_the_final_chunks(
 
 
 def test_a_streamed_listings_first_chunk_comes_in_pieces(
-    s3: Any, s3fs_client: Any, bucket: str, slow_pages: None
+    s3: Any,
+    s3fs_client: Any,
+    bucket: str,
+    slow_pages: None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The job waiting on a streamed listing first reads a piece of its
     first chunk (RAMP_PIECES of them), announced by the first prefix and
-    kept by the finished listing; a listing published whole is not cut."""
+    kept by the finished listing. A listing of the same objects made again
+    with no job waiting (a store listing by digest) plans the same chunks,
+    and one whose first chunk is small keeps it whole."""
+    monkeypatch.setattr(listing, "RAMP_MIN_OBJECTS", 32)
     keys = [f"r/{i:05d}" for i in range(320)]
     _fill(s3fs_client, bucket, keys)
     spec = {
@@ -131,8 +139,12 @@ def test_a_streamed_listings_first_chunk_comes_in_pieces(
     for prefix in got:
         mine = prefix.columns["chunk_starts"]
         assert np.array_equal(starts[: len(mine)], mine)
-    whole = list_with_layout(spec, None)  # no job waits on it: plain chunks
-    assert whole.columns["chunk_starts"][:3].tolist() == [0, 32, 64]
+        assert prefix.prefix_ends[0] != WHOLE_LISTING  # never one segment
+    again = list_with_layout(spec, None)
+    assert np.array_equal(again.columns["chunk_starts"], starts)
+    assert again.digest == final.digest
+    small = list_with_layout({**spec, "chunk_samples": 31}, None)
+    assert small.columns["chunk_starts"][:3].tolist() == [0, 31, 62]
 
 
 def test_a_fresh_listing_a_job_waits_for_is_one_segment_from_pieces(
@@ -140,10 +152,11 @@ def test_a_fresh_listing_a_job_waits_for_is_one_segment_from_pieces(
 ) -> None:
     """Listed before any prefix was due, for a job waiting on it: when a full
     shuffle's first batch would wait for COLD_FIRST_BATCH_READS reads, the
-    listing carries one segment (its first epoch read chunk by chunk) and
-    its first chunk in pieces. Not when the first batch is cheap, when no
-    job waits (a refresh), or when a previous listing's chunks are kept."""
+    listing carries one segment, the whole listing (its first epoch read
+    chunk by chunk). Not when the first batch is cheap, when no job waits
+    (a refresh), or when a previous listing's chunks are kept."""
     monkeypatch.setattr(listing, "COLD_FIRST_BATCH_READS", 200)
+    monkeypatch.setattr(listing, "RAMP_MIN_OBJECTS", 64)
     for i in range(400):
         (tmp_path / f"{i:04d}.bin").write_bytes(b"x")
     spec = {"urls": f"file://{tmp_path}", "chunk_samples": 64}
@@ -152,7 +165,7 @@ def test_a_fresh_listing_a_job_waits_for_is_one_segment_from_pieces(
         return list_with_layout(spec, previous, on_prefix=lambda _: None)
 
     cold = waited(spec)
-    assert cold.prefix_ends.tolist() == [400] and not cold.is_prefix
+    assert cold.prefix_ends.tolist() == [WHOLE_LISTING, 400] and not cold.is_prefix
     assert cold.columns["chunk_starts"][: RAMP_PIECES + 2].tolist() == [
         *range(0, 64, 4),
         64,
@@ -161,7 +174,7 @@ def test_a_fresh_listing_a_job_waits_for_is_one_segment_from_pieces(
     assert waited({**spec, "chunk_samples": 2}).prefix_ends.tolist() == []
     plain = list_with_layout(spec, None)
     assert plain.prefix_ends.tolist() == []
-    assert plain.columns["chunk_starts"][:3].tolist() == [0, 64, 128]
+    assert np.array_equal(plain.columns["chunk_starts"], cold.columns["chunk_starts"])
     assert waited(spec, plain).prefix_ends.tolist() == []  # may be cached
 
 

@@ -51,7 +51,7 @@ def test_a_cold_first_epoch_starts_on_a_small_piece(user, tmp_path):
     done = user.torchrun(script, f"file://{data}", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads(open(f"{out}.{r}.json").read()) for r in (0, 1)]
-    assert all(r["ends"] == [N] for r in ranks)  # one segment: the whole listing
+    assert all(r["ends"] == [0, N] for r in ranks)  # one segment: the whole listing
     first = [r["epochs"][0] for r in ranks]
     assert len(first[0]) == len(first[1]) == N // 2  # in step
     assert sorted(first[0] + first[1]) == list(range(N))  # each sample once

@@ -170,6 +170,10 @@ def plan_resume(
     seed, epoch = int(old["seed"]), int(old["epoch"])
     left, holder = _remaining(sizes, old)
     total = len(left)
+    if total == 0:  # saved at the epoch's end: nothing to deal
+        return ResumePlan(
+            [np.zeros(0, np.int64) for _ in range(world_size)], 0, 0, 0, 0
+        )
     cap = np.full(world_size, total // world_size, dtype=np.int64)
     rng_key = [seed, epoch, _RESUME_SALT, world_size]
     if old["mode"] == "global":
