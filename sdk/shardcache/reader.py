@@ -23,6 +23,7 @@ import numpy as np
 from shardcache.checksum import check_resolved
 from shardcache.chunk_file import will_need
 from shardcache.chunks import Chunk
+from shardcache.daemon_pool import DaemonPool
 from shardcache.manifest import Manifest
 from shardcache.transport.base import Status, Transport
 from shardcache.usage.totals import ORIGINS  # where a delivered sample came from
@@ -104,7 +105,8 @@ class ChunkReader:
         self._disk_sampled: set[int] = set()  # disk-tier files checked this epoch
         self._pending: dict[int, Future[None]] = {}
         self.saw_uncached = False  # the stores could not cache a chunk this generation
-        self._background: ThreadPoolExecutor | None = None
+        self._background: DaemonPool | None = None  # the look-ahead
+        self._reports: ThreadPoolExecutor | None = None
         self.counts = origin_counts()
         # The reading this process's requests are for (``job:epoch``, set by
         # the session): a chunk another rank of the job had built from the
@@ -467,21 +469,29 @@ class ChunkReader:
             for c in group:
                 self._pending.pop(c, None)
 
-    def _pool(self) -> ThreadPoolExecutor:
+    def _pool(self) -> DaemonPool:
+        # Daemon threads: at exit the process does not wait for the builds
+        # it asked for ahead (daemon_pool.py); the stores finish them.
         if self._background is None:
-            self._background = ThreadPoolExecutor(
-                PREFETCH_DEPTH, thread_name_prefix="shardcache-prefetch"
-            )
+            self._background = DaemonPool(PREFETCH_DEPTH, "shardcache-prefetch")
         return self._background
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn`` off the training loop (stats reports)."""
-        self._pool().submit(fn, *args)
+        """Run ``fn`` off the training loop (stats reports, which the
+        process does finish at exit)."""
+        if self._reports is None:
+            self._reports = ThreadPoolExecutor(
+                1, thread_name_prefix="shardcache-report"
+            )
+        self._reports.submit(fn, *args)
 
     def close(self) -> None:
         if self._background is not None:
             self._background.shutdown(wait=True, cancel_futures=True)
             self._background = None
+        if self._reports is not None:
+            self._reports.shutdown(wait=True)
+            self._reports = None
 
     @property
     def held_bytes(self) -> int:

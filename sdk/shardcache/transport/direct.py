@@ -12,6 +12,7 @@ from shardcache import errors
 from shardcache.chunk_file import read_chunk_file
 from shardcache.code_paths import is_installed
 from shardcache.config import ClientConfig
+from shardcache.daemon_pool import EXITING, Abandoned, in_pool
 from shardcache.errors import (
     ChunkFileError,
     ConfigError,
@@ -32,6 +33,32 @@ STORE_RETRIES = 3  # a restarted store is re-registered and asked again
 # name, urls, protocol, storage_options, fingerprint, generation, manifest digest,
 # chunk_bytes, chunk_samples
 DatasetSpec = dict[str, Any]
+
+
+WAIT_SLICE_S = 0.2  # a look-ahead thread's wait on Ray, between checks for exit
+
+
+def _get(refs: Any, timeout: float | None) -> Any:
+    """``ray.get(refs, timeout=timeout)``; on a look-ahead (daemon pool)
+    thread in slices, so it leaves Ray as the process exits (``Abandoned``)
+    instead of being inside it when Ray shuts down (daemon_pool.py)."""
+    import ray
+
+    many = isinstance(refs, list)
+    if not in_pool() or (many and not refs):
+        return ray.get(refs, timeout=timeout)
+    wanted = refs if many else [refs]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        ready, _ = ray.wait(wanted, num_returns=len(wanted), timeout=WAIT_SLICE_S)
+        if len(ready) == len(wanted):
+            return ray.get(refs)
+        if EXITING.is_set():
+            raise Abandoned("the process is exiting")
+        if deadline is not None and time.monotonic() > deadline:
+            raise ray.exceptions.GetTimeoutError(
+                f"the store did not answer within {timeout} s"
+            )
 
 
 def _map_chunk_file(path: str, item: tuple[str, str, int]) -> Any:
@@ -274,9 +301,7 @@ class CacheClient:
                     results[j] = res
             refs = [j for j, (status, _) in enumerate(results) if status != Status.DISK]
             try:
-                got = ray.get(
-                    [results[j][1] for j in refs], timeout=self.config.request_timeout_s
-                )
+                got = _get([results[j][1] for j in refs], self.config.request_timeout_s)
                 break
             except ray.exceptions.ObjectLostError:
                 # The store that owned these chunks died after answering
@@ -369,7 +394,7 @@ class CacheClient:
         self.attach()
         for _attempt in range(STORE_RETRIES + 1):
             results = self._call(
-                lambda: ray.get(
+                lambda: _get(
                     self._store.get.remote(
                         name,
                         generation,
@@ -379,7 +404,7 @@ class CacheClient:
                         prefer_files=prefer_files,
                         reader=reader,
                     ),
-                    timeout=self.config.request_timeout_s,
+                    self.config.request_timeout_s,
                 )
             )
             if results and results[0][0] == Status.UNINSTALLED:
