@@ -34,7 +34,6 @@ LEAVE_S = 2.0  # the most the exit hook waits for busy pool threads to leave
 
 _local = threading.local()
 _pools: weakref.WeakSet[DaemonPool] = weakref.WeakSet()
-_hooked = False
 
 
 class Abandoned(Exception):
@@ -52,8 +51,8 @@ def _leave() -> None:
     EXITING.set()
     deadline = time.monotonic() + LEAVE_S
     for pool in list(_pools):
-        pool.shutdown(wait=False, cancel_futures=True)
-        for thread in pool.busy():
+        pool.shutdown(wait=False, cancel_futures=True)  # idle threads end now
+        for thread in pool.threads():
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
@@ -74,15 +73,15 @@ class DaemonPool:
         self._lock = threading.Lock()
         self._closed = False
         self._running: set[threading.Thread] = set()
-        global _hooked
         _pools.add(self)
-        if not _hooked:  # registered after Ray's (the pool starts once attached)
-            atexit.register(_leave)
-            _hooked = True
+        # Last registered runs first: after Ray's hook (registered when ray
+        # is imported), whichever pool came first.
+        atexit.unregister(_leave)
+        atexit.register(_leave)
 
-    def busy(self) -> list[threading.Thread]:
+    def threads(self) -> list[threading.Thread]:
         with self._lock:
-            return list(self._running)
+            return list(self._threads)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         future: Future[Any] = Future()
@@ -91,38 +90,20 @@ class DaemonPool:
                 raise RuntimeError("submit after shutdown")
             self._queue.put((future, fn, args))
             if self._idle == 0 and len(self._threads) < self._size:
+                # The thread holds the pool weakly (as ThreadPoolExecutor's
+                # do): a pool dropped without shutdown() wakes its threads
+                # with sentinels and they end, instead of waiting forever.
+                size, work = self._size, self._queue
+                ref = weakref.ref(self, lambda _: [work.put(None) for _ in range(size)])
                 thread = threading.Thread(
-                    target=self._work,
+                    target=_work,
+                    args=(ref, work),
                     name=f"{self._name}-{len(self._threads)}",
                     daemon=True,
                 )
                 thread.start()
                 self._threads.append(thread)
         return future
-
-    def _work(self) -> None:
-        _local.pool = True
-        me = threading.current_thread()
-        while True:
-            with self._lock:
-                self._idle += 1
-            item = self._queue.get()
-            with self._lock:
-                self._idle -= 1
-            if item is None:
-                return
-            future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            with self._lock:
-                self._running.add(me)
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # the caller's future carries it
-                future.set_exception(exc)
-            finally:
-                with self._lock:
-                    self._running.discard(me)
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
         """As ``ThreadPoolExecutor.shutdown``: queued items cancelled with
@@ -143,3 +124,34 @@ class DaemonPool:
         if wait:
             for thread in threads:
                 thread.join()
+
+
+def _work(ref: weakref.ref[DaemonPool], work: queue.SimpleQueue[Any]) -> None:
+    _local.pool = True
+    me = threading.current_thread()
+    while True:
+        pool = ref()
+        if pool is None:
+            return
+        with pool._lock:
+            pool._idle += 1
+        del pool  # not held while waiting: the pool may be dropped meanwhile
+        item = work.get()
+        pool = ref()
+        if item is None or pool is None:
+            return
+        with pool._lock:
+            pool._idle -= 1
+            pool._running.add(me)
+        future, fn, args = item
+        del item
+        try:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # the caller's future carries it
+                    future.set_exception(exc)
+        finally:
+            with pool._lock:
+                pool._running.discard(me)
+            del pool, future, fn, args

@@ -490,7 +490,9 @@ class ChunkReader:
             self._background.shutdown(wait=True, cancel_futures=True)
             self._background = None
         if self._reports is not None:
-            self._reports.shutdown(wait=True)
+            # Queued reports dropped, as before: the final report is written
+            # already, and an older one must not overwrite it.
+            self._reports.shutdown(wait=True, cancel_futures=True)
             self._reports = None
 
     @property
