@@ -120,7 +120,9 @@ def segment_order(
     if number == 0 and shuffle and not block_samples:
         # The first segment goes chunk by chunk: a shuffle over all of it
         # would make the job's first batch wait for every chunk of it.
-        return _fit(chunkwise_order(mine, layout, [seg_seed, 0]), count)
+        # epoch_order without a shuffle only cuts or pads it to ``count``.
+        mine = chunkwise_order(mine, layout, [seg_seed, 0])
+        return epoch_order(mine, count, seg_seed, 0, False)
     return epoch_order(
         mine,
         count,
@@ -135,9 +137,10 @@ def segment_order(
 def chunkwise_order(samples: np.ndarray, layout: ChunkLayout, seed: Any) -> np.ndarray:
     """``samples`` chunk by chunk, each chunk's rows shuffled and the chunks
     in a random order, except that chunks under a quarter of the largest
-    come first (a streamed listing's first chunk is cut into small pieces,
-    ``RAMP_PIECES`` in the services' listing: reading one of them first,
-    the job's first batch waits for a small build, not a whole chunk's).
+    come first (a listing's first chunk of many small objects is cut into
+    pieces, ``RAMP_PIECES`` in the services' listing: reading one of them
+    first, the job's first batch waits for a small build, not a whole
+    chunk's).
 
     >>> layout = ChunkLayout(np.array([0, 1, 2, 10, 18]))
     >>> order = chunkwise_order(np.arange(18), layout, 0)
@@ -151,14 +154,6 @@ def chunkwise_order(samples: np.ndarray, layout: ChunkLayout, seed: Any) -> np.n
     position = np.empty(len(chunks), dtype=np.int64)
     position[np.lexsort((rng.random(len(chunks)), ~small))] = np.arange(len(chunks))
     return samples[np.lexsort((rng.random(len(samples)), position[dense]))]
-
-
-def _fit(order: np.ndarray, count: int) -> np.ndarray:
-    """``order`` cut or padded with its own samples to ``count`` (as
-    :func:`~shardcache.sharding.epoch_order` does)."""
-    if len(order) >= count:
-        return order[:count]
-    return np.tile(order, -(-count // max(len(order), 1)))[:count]
 
 
 def segmented_length(

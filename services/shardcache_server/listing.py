@@ -144,13 +144,13 @@ def _kept_starts(previous: Manifest | None, manifest: Manifest) -> np.ndarray | 
 
 
 def _starts_for(
-    manifest: Manifest, previous: Manifest | None, spec: dict[str, Any]
+    manifest: Manifest, kept: np.ndarray | None, spec: dict[str, Any]
 ) -> np.ndarray:
-    """Chunk starts for ``manifest``: ``previous``'s when it lists the same
-    URLs, so a changed object changes only its own chunk's version (a new
-    size must not move every later chunk boundary), else planned."""
-    kept = _kept_starts(previous, manifest)
-    if kept is not None and len(previous) == len(manifest):  # type: ignore[arg-type]
+    """Chunk starts for ``manifest``: ``kept`` (:func:`_kept_starts` of the
+    previous listing) when that listing had exactly these URLs, so a
+    changed object changes only its own chunk's version (a new size must
+    not move every later chunk boundary), else planned."""
+    if kept is not None and int(kept[-1]) == len(manifest):
         return kept
     return _planned(manifest.sizes, spec)
 
@@ -165,14 +165,15 @@ COLD_FIRST_BATCH_READS = 8192
 
 
 def _cold_and_slow(
-    manifest: Manifest, previous: Manifest | None, starts: np.ndarray
+    manifest: Manifest, kept: np.ndarray | None, starts: np.ndarray
 ) -> bool:
-    """Nothing of ``manifest`` can be cached yet (no ``previous`` listing of
-    its first URLs), and a full shuffle's first batch would wait for at
-    least ``COLD_FIRST_BATCH_READS`` source reads: the job's first epoch
-    goes by one segment (``shardcache.segments``), chunk by chunk."""
+    """Nothing of ``manifest`` can be cached yet (no previous listing of
+    its first URLs: ``kept`` is ``None``), and a full shuffle's first batch
+    would wait for at least ``COLD_FIRST_BATCH_READS`` source reads: the
+    job's first epoch goes by one segment (``shardcache.segments``), chunk
+    by chunk."""
     chunks = len(starts) - 1
-    if chunks < 2 or _kept_starts(previous, manifest) is not None:
+    if chunks < 2 or kept is not None:
         return False
     reads = min(chunks, FIRST_BATCH_CHUNKS) * len(manifest) / chunks
     return reads >= COLD_FIRST_BATCH_READS
@@ -285,12 +286,9 @@ def list_with_layout(
     manifest = list_source(
         spec["urls"], options, source_budget, spread, prefix_to, stream_after_s
     )
-    starts = _starts_for(manifest, previous, spec)
-    if (
-        on_prefix is not None
-        and not ends
-        and _cold_and_slow(manifest, previous, starts)
-    ):
+    kept = _kept_starts(previous, manifest)  # compared once: names may be GBs
+    starts = _starts_for(manifest, kept, spec)
+    if on_prefix is not None and not ends and _cold_and_slow(manifest, kept, starts):
         # Listed before any prefix was due, for a job waiting on it: its
         # first epoch is one segment, the whole listing, read chunk by chunk
         # (WHOLE_LISTING marks it: see shardcache.segments).
