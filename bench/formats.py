@@ -202,14 +202,8 @@ def _table(rows: list[dict[str, Any]], command: str, samples: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--samples", type=int, default=2048)
-    parser.add_argument("--width", type=int, default=1536, help="float32 per sample")
-    parser.add_argument("--chunk-samples", type=int, default=512)
-    parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
-    args = parser.parse_args(argv)
-
+def measure(samples: int, width: int, chunk_samples: int) -> list[dict[str, Any]]:
+    """Every case at the default chunk size and at ``chunk_samples``: one row each."""
     import s3fs
 
     from shardcache_server.emulator import S3Emulator
@@ -225,16 +219,25 @@ def main(argv: list[str] | None = None) -> None:
             tempfile.tempdir = tmp  # LMDB's node copy: gone with this run
             try:
                 for case in CASES:
-                    for cs in (0, args.chunk_samples):
+                    for cs in (0, chunk_samples):
                         rows.append(
-                            _run_case(
-                                emu, fs, bucket, case, args.samples, args.width, cs
-                            )
+                            _run_case(emu, fs, bucket, case, samples, width, cs)
                         )
             finally:
                 tempfile.tempdir = previous  # also when a case fails
     finally:
         emu.stop()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=2048)
+    parser.add_argument("--width", type=int, default=1536, help="float32 per sample")
+    parser.add_argument("--chunk-samples", type=int, default=512)
+    parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    rows = measure(args.samples, args.width, args.chunk_samples)
     command = "scripts/bench.sh formats " + " ".join(argv or sys.argv[1:])
     section = _table(rows, command.strip(), args.samples)
     print(section)

@@ -141,6 +141,38 @@ class CacheSideMeter:
         return {"anon_growth_bytes": grown, "processes": sorted(counted)}
 
 
+class ClusterMeter:
+    """Anonymous-memory growth of every process a driver's private Ray
+    cluster runs (GCS, raylet, the workers), ``exclude`` left out (the
+    driver's Redis): what the issue calls "the Ray side, all processes
+    together". Processes that existed at :meth:`start` count their growth;
+    one started later counts what it holds beyond a fresh worker (the
+    smallest worker at start). Idle workers count too: the one that ran a
+    listing task is idle afterwards and may keep its heap.
+    """
+
+    def __init__(self, driver: int, exclude: Iterable[int] = ()):
+        self.driver, self.exclude = driver, set(exclude)
+        self.before: dict[int, int] = {}
+        self.fresh_worker = 0
+
+    def _processes(self) -> dict[int, str]:
+        skip = {self.driver, *self.exclude}
+        return {p: cmdline(p) for p in tree_pids(self.driver) if p not in skip}
+
+    def start(self) -> None:
+        procs = self._processes()
+        self.before = {p: rss_anon(p) for p in procs}
+        workers = [self.before[p] for p, t in procs.items() if t.startswith("ray::")]
+        self.fresh_worker = min(workers, default=0)
+
+    def grown(self) -> int:
+        return sum(
+            rss_anon(p) - self.before.get(p, self.fresh_worker)
+            for p in self._processes()
+        )
+
+
 def redis_used_memory(url: str) -> int:
     import redis
 

@@ -127,7 +127,7 @@ def main() -> None:
         return
 
     import ray
-    from memory import redis_used_memory, rss_anon, store_pids
+    from memory import ClusterMeter, redis_used_memory, rss_anon, store_pids
 
     from shardcache import DistributedCachedDataset
     from shardcache.embedded import start_redis_server
@@ -176,6 +176,8 @@ def main() -> None:
         stores = store_pids([me])
         rank0, store0 = rss_anon(me), sum(rss_anon(p) for p in stores)
         redis0 = redis_used_memory(redis_url)
+        ray_side = ClusterMeter(me, exclude=[redis_proc.pid])
+        ray_side.start()
         started = time.perf_counter()
         ds = (
             DistributedCachedDataset(
@@ -212,6 +214,9 @@ def main() -> None:
                 else None
             ),
             "store_processes": len(stores),
+            # every process of the cluster (GCS, raylet, stores, listing and
+            # build workers), not only the store actor
+            "ray_side_anon_bytes_per_sample": round(ray_side.grown() / args.samples, 1),
             # where the store's growth happens: after listing, after the cold epoch
             "store_anon_after_listing_per_sample": round(
                 (store_listed - store0) / args.samples, 1

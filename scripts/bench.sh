@@ -4,12 +4,16 @@
 # run, on an emulated S3 and on page-cached local files. Writes
 # bench/results/<date>T<time>.json (+ .png) and BENCHMARKS.md (--out DIR: there).
 # --quick writes to a temp dir; --systems picks systems (bench/README.md).
-# Scenarios with a table of their own: `formats`, `cold`, `gpu` and `jobs` (below).
+# Scenarios with a table of their own: `formats`, `scale`, `cold`, `gpu` and `jobs` (below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # `scripts/bench.sh formats [--write]`: bytes each packed format reads from S3
 # per file byte (bench/formats.py); needs nothing the comparison installs.
 if [ "${1:-}" = "formats" ]; then shift; exec .venv/bin/python bench/formats.py "$@"; fi
+# `scripts/bench.sh scale [--write]`: reading at scale in one run: the packed
+# formats' bytes, one listing at 1 M and 10 M keys, memory per sample and the
+# cold epoch at 1 M files, the first batch at 100 k / 1 M / 10 M (bench/at_scale.py).
+if [ "${1:-}" = "scale" ]; then shift; exec .venv/bin/python bench/at_scale.py "$@"; fi
 # `scripts/bench.sh cold`: epoch 1 on the README's DataLoader path against
 # DataLoader(num_workers=2) over the same .npy files (bench/cold_readme.py);
 # `scripts/bench.sh gpu`: time to a normalised batch on the GPU (bench/gpu.py;
