@@ -167,10 +167,15 @@ class ClusterMeter:
         self.fresh_worker = min(workers, default=0)
 
     def grown(self) -> int:
-        return sum(
-            rss_anon(p) - self.before.get(p, self.fresh_worker)
-            for p in self._processes()
-        )
+        return sum(self.by_process().values())
+
+    def by_process(self) -> dict[str, int]:
+        """Growth per process, by its title (name and pid)."""
+        return {
+            f"{t.split()[0][:40] if t else '?'} {p}": rss_anon(p)
+            - self.before.get(p, self.fresh_worker)
+            for p, t in self._processes().items()
+        }
 
 
 def redis_used_memory(url: str) -> int:

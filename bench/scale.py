@@ -217,6 +217,7 @@ def main() -> None:
             # every process of the cluster (GCS, raylet, stores, listing and
             # build workers), not only the store actor
             "ray_side_anon_bytes_per_sample": round(ray_side.grown() / args.samples, 1),
+            "ray_side_anon_growth_by_process": ray_side.by_process(),
             # where the store's growth happens: after listing, after the cold epoch
             "store_anon_after_listing_per_sample": round(
                 (store_listed - store0) / args.samples, 1
