@@ -205,12 +205,14 @@ class GrowingListing:
     ) -> list[np.ndarray]:
         """This rank's order of each segment known, in segment order."""
         key = (world_size, rank, tuple(sorted(order.items())))
-        if key != self._for:
-            self._orders, self._for = [], key
+        # Built on a list of its own, published whole: forget() from another
+        # thread (the look-ahead may still ask) never leaves a list whose
+        # indices are not segment numbers.
+        orders = list(self._orders) if key == self._for else []
         bounds = segment_bounds(layout.starts, self.ends, self.complete)
         whole = len(self.ends) > 0 and int(self.ends[0]) == WHOLE_LISTING
-        for number in range(len(self._orders), len(bounds)):
-            self._orders.append(
+        for number in range(len(orders), len(bounds)):
+            orders.append(
                 segment_order(
                     layout,
                     bounds[number],
@@ -221,7 +223,14 @@ class GrowingListing:
                     **order,
                 )
             )
-        return self._orders
+        self._orders, self._for = orders, key
+        return orders
+
+    def forget(self) -> None:
+        """Drop the orders kept (a rank past its first epoch: 8 B per sample
+        it would hold for the job's life); :meth:`orders` computes them
+        again if asked."""
+        self._orders, self._for = [], None
 
     def length(self, layout: ChunkLayout, world_size: int, drop_last: bool) -> int:
         """Samples per rank in the first epoch (the listing whole)."""

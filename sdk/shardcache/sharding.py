@@ -155,7 +155,12 @@ def assign_chunks(
     Each chunk goes whole to the best-scoring rank (rendezvous hashing on the
     chunk id) that still has room; a chunk that fits no rank whole is split
     between the ranks with room left, so a few chunks (at most one per rank)
-    are shared by two ranks. Returns each rank's sample indices, ascending.
+    are shared by two ranks. Small chunks (under a quarter of the largest:
+    a listing's first chunk cut in pieces) are dealt first and evenly, each
+    to the best-scoring rank among those holding the fewest so far: a rank
+    reads its small chunks first in a cold epoch (``segments``), so every
+    rank that can hold one starts on a small build. Returns each rank's
+    sample indices, ascending.
 
     >>> shards = assign_chunks(np.array([4, 4, 4, 3]), 2)
     >>> sorted(len(s) for s in shards), sorted(int(i) for s in shards for i in s) == list(range(15))
@@ -173,13 +178,20 @@ def assign_chunks(
     load = np.zeros(world_size, dtype=np.int64)
     pieces: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
     leftover = []
+    small = sizes * 4 < sizes.max(initial=0)
+    held = np.zeros(world_size, dtype=np.int64)  # small chunks per rank
+    by_hash = np.argsort(chunk_h, kind="stable")
     # Per chunk, not per sample: a Python loop over chunks is cheap.
-    for c in np.argsort(chunk_h, kind="stable").tolist():
+    for c in [*by_hash[small[by_hash]].tolist(), *by_hash[~small[by_hash]].tolist()]:
         size = int(sizes[c])
-        for r in preference[c].tolist():
+        ranks = preference[c]
+        if small[c]:  # the fewest small chunks first, then the rendezvous score
+            ranks = ranks[np.argsort(held[ranks], kind="stable")]
+        for r in ranks.tolist():
             if load[r] + size <= capacity[r]:
                 pieces[r].append((int(starts[c]), int(starts[c + 1])))
                 load[r] += size
+                held[r] += small[c]
                 break
         else:
             leftover.append(c)

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from shardcache import heap
 from shardcache.chunks import DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_SAMPLES, plan_chunks
 from shardcache.listing_feed import extends
 from shardcache.manifest import PREFIX_COLUMN, PREFIX_ENDS, Manifest
@@ -95,11 +96,14 @@ def listing_budget(settings: Any) -> BudgetSpec | None:
 
 # A first chunk of many objects is cut into this many pieces: a job whose
 # first epoch is read chunk by chunk (shardcache.segments) waits for one
-# piece's build (256 GETs at the default 4,096 objects a chunk, not 4,096)
-# before its first batch. Only where the first chunk has RAMP_MIN_OBJECTS
-# or more (small objects: each chunk is thousands of GETs); a chunk of a few
-# large objects builds as fast as a piece would.
-RAMP_PIECES = 16
+# piece's build (64 GETs at the default 4,096 objects a chunk, not 4,096)
+# before its first batch. The pieces are dealt evenly (sharding.assign_chunks),
+# so up to 64 ranks each start on one; with fewer, the DDP step would wait
+# for the ranks that drew none and began on a whole chunk. Only where the
+# first chunk has RAMP_MIN_OBJECTS or more (small objects: each chunk is
+# thousands of GETs); a chunk of a few large objects builds as fast as a
+# piece would.
+RAMP_PIECES = 64
 RAMP_MIN_OBJECTS = 1024
 
 
@@ -109,7 +113,8 @@ def _planned(
     """Chunk starts planned for objects of ``sizes`` with the spec's chunk size.
 
     A whole first chunk (a second start is planned) of ``RAMP_MIN_OBJECTS``
-    or more is cut into ``RAMP_PIECES`` equal pieces. Planning is a function
+    or more is cut into ``RAMP_PIECES`` equal pieces (fewer when it holds
+    fewer objects). Planning is a function
     of the objects alone (the same objects always plan the same chunks, so
     a listing made again by digest builds the same ones) and prefix-stable
     (a prefix plans the finished listing's first chunks, pieces included).
@@ -123,7 +128,8 @@ def _planned(
     if not pieces or len(starts) < 3 or int(starts[1]) < RAMP_MIN_OBJECTS:
         return starts  # no whole first chunk before the last, or a quick one
     first = int(starts[1])
-    cut = np.arange(RAMP_PIECES, dtype=np.int64) * first // RAMP_PIECES
+    count = min(RAMP_PIECES, first)  # no empty piece
+    cut = np.arange(count, dtype=np.int64) * first // count
     return np.concatenate([cut, starts[1:]])
 
 
@@ -155,9 +161,9 @@ def _starts_for(
     return _planned(manifest.sizes, spec)
 
 
-# A cold full shuffle's first batch touches about this many chunks (a batch
-# of 64 samples, each from its own chunk) and waits for every one of them.
-FIRST_BATCH_CHUNKS = 64
+# A cold full shuffle's first batch (the README's 64 samples, each drawn
+# from anywhere in the listing) waits for every chunk it touches.
+FIRST_BATCH_SAMPLES = 64
 # The source reads such a first batch may wait for before a job's first
 # epoch of a fresh listing is read chunk by chunk instead (two default
 # chunks: a few seconds from an object store).
@@ -172,11 +178,14 @@ def _cold_and_slow(
     would wait for at least ``COLD_FIRST_BATCH_READS`` source reads: the
     job's first epoch goes by one segment (``shardcache.segments``), chunk
     by chunk."""
-    chunks = len(starts) - 1
-    if chunks < 2 or kept is not None:
+    if len(starts) < 3 or kept is not None:
         return False
-    reads = min(chunks, FIRST_BATCH_CHUNKS) * len(manifest) / chunks
-    return reads >= COLD_FIRST_BATCH_READS
+    # The reads such a batch waits for, expected: each chunk's objects times
+    # the chance that one of the batch's samples falls in it. Counting
+    # chunks instead would take the first chunk's small pieces for whole ones.
+    sizes = np.diff(starts).astype(np.float64)
+    touched = 1.0 - (1.0 - sizes / float(starts[-1])) ** FIRST_BATCH_SAMPLES
+    return float(sizes @ touched) >= COLD_FIRST_BATCH_READS
 
 
 def cut_prefix(
@@ -364,6 +373,10 @@ def _list_task(
         "sizes": sizes,
         "report": keeper.report(),
     }
+    # The worker stays in Ray's pool: without this it kept the listing's
+    # freed heap (28 B per object at 1 M objects) for its life.
+    del listed, job, prev, keeper, item, versions, sizes
+    heap.trim()
 
 
 class RayLister:

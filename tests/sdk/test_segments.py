@@ -169,23 +169,32 @@ def test_the_first_segment_is_read_chunk_by_chunk() -> None:
     assert len(set(layout.chunk_of(later[:50]).tolist())) > 1
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_the_listings_small_first_pieces_are_read_first(world: int) -> None:
-    """A streamed listing's first chunk comes in 16 pieces (the services'
-    RAMP_PIECES): a rank holding one reads it before any whole chunk, so
-    its first batch waits for a piece's build."""
-    layout = ChunkLayout.from_sizes(np.array([16] * 16 + [256] * 24))
-    small = set(range(16))
-    for rank in range(world):
-        order = segment_order(
-            layout, (0, 16 * 16 + 256 * 24), 0, world, rank,
-            seed=3, shuffle=True, drop_last=False,
-        )  # fmt: skip
-        chunks = layout.chunk_of(order)
-        held = len(set(chunks.tolist()) & small)
-        assert held  # 16 pieces dealt among at most 16 ranks
-        assert set(chunks[: 16 * held].tolist()) <= small
-        assert len(set(chunks[:16].tolist())) == 1  # one piece at a time
+@pytest.mark.parametrize("whole", [False, True])
+@pytest.mark.parametrize(("pieces", "world"), [(16, 1), (16, 2), (16, 4), (16, 8), (16, 16), (64, 32), (64, 64)])  # fmt: skip
+def test_the_listings_small_first_pieces_are_read_first(
+    pieces: int, world: int, whole: bool
+) -> None:
+    """A listing's first chunk comes in pieces (the services' RAMP_PIECES,
+    64): every rank holds one while there are enough (they are dealt
+    evenly, not by the rendezvous score alone, which left 1-2 of 8 ranks
+    and 5-6 of 16 without one: their first batch, and so every rank's DDP
+    step, waited for a whole chunk) and reads it before any whole chunk,
+    so its first batch waits for a piece's build."""
+    size = 1024 // pieces  # the first chunk, cut; the others whole
+    layout = ChunkLayout.from_sizes(np.array([size] * pieces + [1024] * 24))
+    small = set(range(pieces))
+    n = int(layout.starts[-1])
+    for seed in range(3):
+        for rank in range(world):
+            order = segment_order(
+                layout, (0, n), 0, world, rank,
+                seed=seed, shuffle=True, drop_last=False, whole=whole,
+            )  # fmt: skip
+            chunks = layout.chunk_of(order)
+            held = len(set(chunks.tolist()) & small)
+            assert held == pieces // world, (seed, rank)  # evenly, one at least
+            assert set(chunks[: size * held].tolist()) <= small
+            assert len(set(chunks[:size].tolist())) == 1  # one piece at a time
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -16,7 +16,6 @@ from shardcache.segments import WHOLE_LISTING
 from shardcache_server import listing, objects
 from shardcache_server.emulator import FaultPlan
 from shardcache_server.listing import (
-    RAMP_PIECES,
     Listings,
     cut_prefix,
     list_in_thread,
@@ -124,6 +123,7 @@ def test_a_streamed_listings_first_chunk_comes_in_pieces(
     with no job waiting (a store listing by digest) plans the same chunks,
     and one whose first chunk is small keeps it whole."""
     monkeypatch.setattr(listing, "RAMP_MIN_OBJECTS", 32)
+    monkeypatch.setattr(listing, "RAMP_PIECES", 16)
     keys = [f"r/{i:05d}" for i in range(320)]
     _fill(s3fs_client, bucket, keys)
     spec = {
@@ -135,7 +135,7 @@ def test_a_streamed_listings_first_chunk_comes_in_pieces(
     final = list_with_layout(spec, None, on_prefix=got.append, stream_after_s=0.1)
     assert got
     starts = final.columns["chunk_starts"]
-    assert starts[: RAMP_PIECES + 2].tolist() == [*range(0, 32, 2), 32, 64]
+    assert starts[:18].tolist() == [*range(0, 32, 2), 32, 64]
     for prefix in got:
         mine = prefix.columns["chunk_starts"]
         assert np.array_equal(starts[: len(mine)], mine)
@@ -157,6 +157,7 @@ def test_a_fresh_listing_a_job_waits_for_is_one_segment_from_pieces(
     (a refresh), or when a previous listing's chunks are kept."""
     monkeypatch.setattr(listing, "COLD_FIRST_BATCH_READS", 200)
     monkeypatch.setattr(listing, "RAMP_MIN_OBJECTS", 64)
+    monkeypatch.setattr(listing, "RAMP_PIECES", 16)
     for i in range(400):
         (tmp_path / f"{i:04d}.bin").write_bytes(b"x")
     spec = {"urls": f"file://{tmp_path}", "chunk_samples": 64}
@@ -166,7 +167,7 @@ def test_a_fresh_listing_a_job_waits_for_is_one_segment_from_pieces(
 
     cold = waited(spec)
     assert cold.prefix_ends.tolist() == [WHOLE_LISTING, 400] and not cold.is_prefix
-    assert cold.columns["chunk_starts"][: RAMP_PIECES + 2].tolist() == [
+    assert cold.columns["chunk_starts"][:18].tolist() == [
         *range(0, 64, 4),
         64,
         128,

@@ -22,8 +22,9 @@ import numpy as np
 
 from shardcache_server.emulator import FaultPlan
 
-N = 10_000  # 3 chunks of the default 4,096: a full-shuffle first batch reads them all
-PIECE = 256  # the default chunk cut into 16 pieces
+N = 12_000  # 3 chunks of the default 4,096: a full-shuffle first batch waits for
+# ~9,300 reads (the first chunk's pieces in part), over COLD_FIRST_BATCH_READS
+PIECE = 64  # the default chunk of 4,096 cut into 64 pieces (listing.RAMP_PIECES)
 
 SCRIPT = """
 import io, json, sys
@@ -87,7 +88,7 @@ def test_a_cold_first_epoch_starts_on_a_small_piece(user, tmp_path):
         # The first batch from one piece of the first chunk.
         assert len({v // PIECE for v in order[:64]}) == 1 and order[0] < 4096, r
         # Chunk by chunk: each piece or chunk read in one run.
-        chunk = [v // PIECE if v < 4096 else 16 + (v - 4096) // 4096 for v in order]
+        chunk = [v // PIECE if v < 4096 else 64 + (v - 4096) // 4096 for v in order]
         runs = 1 + sum(a != b for a, b in zip(chunk, chunk[1:], strict=False))
         assert runs == len(set(chunk)), r
         second = ranks[r]["epochs"][1]
