@@ -14,20 +14,20 @@ per batch.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
+from typing import Any
 
 __all__ = ["trim"]
 
 
 @functools.cache
-def _malloc_trim() -> object | None:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        return libc.malloc_trim if libc is not None else None
+def _malloc_trim() -> Any:
+    try:  # the C library this process already runs on, not a search for one
+        fn = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to do
         return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
 
 
 def trim() -> bool:

@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DistributedSampler, get_worker_info
 
-from shardcache import heap
 from shardcache.audit import DeliveryAudit
 from shardcache.batches import ShardBatchSampler, batch_bounds
 from shardcache.chunks import ChunkLayout
@@ -240,11 +239,12 @@ class ShardSampler(DistributedSampler[int]):
             return self.order()
         orders = self._segment_orders()
         key = (self.epoch, len(orders), self.world_size, self.rank)
-        if self._known is None or self._known[0] != key:  # once per segment
+        known = self._known  # read once: order() may drop it meanwhile
+        if known is None or known[0] != key:  # once per segment
             joined = np.concatenate(orders) if orders else np.zeros(0, np.int64)
             joined.flags.writeable = False
-            self._known = (key, joined)
-        return self._known[1]
+            known = self._known = (key, joined)
+        return known[1]
 
     # -- the world, read at first use -------------------------------------------------
     def bind(
@@ -439,9 +439,6 @@ class ShardSampler(DistributedSampler[int]):
                 self._known = None
         order.flags.writeable = False
         self._order_cache = (e, order)
-        # Once per epoch: the previous order and this one's temporaries were
-        # freed, and glibc would keep their pages (9 MB at 1 M samples).
-        heap.trim()
         return order
 
     def _compute_order(self, e: int) -> np.ndarray:

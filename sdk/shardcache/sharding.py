@@ -155,8 +155,9 @@ def assign_chunks(
     Each chunk goes whole to the best-scoring rank (rendezvous hashing on the
     chunk id) that still has room; a chunk that fits no rank whole is split
     between the ranks with room left, so a few chunks (at most one per rank)
-    are shared by two ranks. Small chunks (under a quarter of the largest:
-    a listing's first chunk cut in pieces) are dealt first and evenly, each
+    are shared by two ranks. The leading run of small chunks (under a
+    quarter of the largest: a listing's first chunk cut in pieces) is dealt
+    first and evenly, each
     to the best-scoring rank among those holding the fewest so far: a rank
     reads its small chunks first in a cold epoch (``segments``), so every
     rank that can hold one starts on a small build. Returns each rank's
@@ -178,7 +179,13 @@ def assign_chunks(
     load = np.zeros(world_size, dtype=np.int64)
     pieces: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
     leftover = []
-    small = sizes * 4 < sizes.max(initial=0)
+    # The leading run of small chunks: the listing's first chunk in pieces.
+    # Only these leave rendezvous dealing, whose choice moves few chunks when
+    # the world changes; a small chunk elsewhere (a remainder, a file of
+    # few bytes) keeps it.
+    small = np.zeros(len(sizes), dtype=bool)
+    lead = sizes * 4 < sizes.max(initial=0)
+    small[: len(sizes) if lead.all() else int(np.argmin(lead))] = True
     held = np.zeros(world_size, dtype=np.int64)  # small chunks per rank
     by_hash = np.argsort(chunk_h, kind="stable")
     # Per chunk, not per sample: a Python loop over chunks is cheap.

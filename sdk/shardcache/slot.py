@@ -22,6 +22,7 @@ from typing import Any
 
 from torch.utils.data import get_worker_info
 
+from shardcache import heap
 from shardcache.batches import read_elsewhere
 from shardcache.epoch_board import EpochBoard
 from shardcache.errors import ConfigError
@@ -141,6 +142,11 @@ class SessionSlot:
             return  # both set_epoch calls of one epoch, or a repeat: once
         self.epoch_started = epoch
         self.sampler.known_order()  # computed now, not inside the first batch's wait
+        # Once per epoch, on the rank: the previous order and this one's
+        # temporaries were freed, and glibc would keep their pages (9 MB at
+        # 1 M samples). Not in sampler.order(), which the store's eviction
+        # planner calls too.
+        heap.trim()
         session = self.session  # the world is known now (a fresh one, maybe)
         session.start_epoch(resuming)  # reports last epoch's numbers first
         self.generations.renew()

@@ -29,7 +29,10 @@ __all__ = [
     "world_state",
 ]
 
-STATE_VERSION = 1  # bumped when the meaning of a saved state changes
+STATE_VERSION = 2  # bumped when the meaning of a saved state changes
+# 2: shards deal a layout's small chunks (the first chunk's pieces) evenly
+# first (sharding.assign_chunks), so a state of version 1 names positions
+# in orders this release no longer computes.
 # Keys every rank of one world must agree on; merge_states checks them.
 WORLD_KEYS = (
     "dataset",
@@ -87,7 +90,7 @@ def check_state(state: Any, dataset: str) -> None:
             the wrong type, a negative count, another state version, or the
             state of another dataset.
 
-    >>> check_state({"version": 1, "epoch": 0, "seed": 0, "world_size": 1,
+    >>> check_state({"version": 2, "epoch": 0, "seed": 0, "world_size": 1,
     ...              "mode": "shard", "consumed": -5}, "d")
     Traceback (most recent call last):
     ...
