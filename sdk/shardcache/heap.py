@@ -24,7 +24,7 @@ __all__ = ["trim"]
 def _malloc_trim() -> Any:
     try:  # the C library this process already runs on, not a search for one
         fn = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to do
+    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS, Windows)
         return None
     fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
     return fn
