@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.chunks import ChunkLayout
-from shardcache.sharding import assign_chunks, epoch_order
+from shardcache.sharding import assign_chunks, epoch_order, small_chunks
 
 __all__ = [
     "WHOLE_LISTING",
@@ -150,7 +150,7 @@ def chunkwise_order(samples: np.ndarray, layout: ChunkLayout, seed: Any) -> np.n
     rng = np.random.default_rng(seed)
     chunks, dense = np.unique(layout.chunk_of(samples), return_inverse=True)
     sizes = np.diff(layout.starts)[chunks]
-    small = sizes * 4 < sizes.max(initial=0)
+    small = small_chunks(sizes)
     position = np.empty(len(chunks), dtype=np.int64)
     position[np.lexsort((rng.random(len(chunks)), ~small))] = np.arange(len(chunks))
     return samples[np.lexsort((rng.random(len(samples)), position[dense]))]

@@ -30,6 +30,7 @@ __all__ = [
     "epoch_number",
     "epoch_order",
     "global_order",
+    "small_chunks",
     "validate_world",
 ]
 
@@ -146,6 +147,17 @@ def assign_shards(
     return [np.flatnonzero(owner == r) for r in range(world_size)]
 
 
+def small_chunks(sizes: np.ndarray) -> np.ndarray:
+    """Which chunks are under a quarter of the largest (the pieces a
+    listing's first chunk is cut into, read and dealt first).
+
+    >>> small_chunks(np.array([16, 16, 256, 100])).tolist()
+    [True, True, False, False]
+    """
+    sizes = np.asarray(sizes)
+    return sizes * 4 < sizes.max(initial=0)
+
+
 def assign_chunks(
     chunk_sizes: np.ndarray, world_size: int, seed: int = 0
 ) -> list[np.ndarray]:
@@ -155,13 +167,12 @@ def assign_chunks(
     Each chunk goes whole to the best-scoring rank (rendezvous hashing on the
     chunk id) that still has room; a chunk that fits no rank whole is split
     between the ranks with room left, so a few chunks (at most one per rank)
-    are shared by two ranks. The leading run of small chunks (under a
-    quarter of the largest: a listing's first chunk cut in pieces) is dealt
-    first and evenly, each
-    to the best-scoring rank among those holding the fewest so far: a rank
-    reads its small chunks first in a cold epoch (``segments``), so every
-    rank that can hold one starts on a small build. Returns each rank's
-    sample indices, ascending.
+    are shared by two ranks. The leading run of small chunks
+    (:func:`small_chunks`: a listing's first chunk cut in pieces) is dealt
+    first and evenly, each to the best-scoring rank among those holding the
+    fewest so far: a rank reads its small chunks first in a cold epoch
+    (``segments``), so every rank that can hold one starts on a small
+    build. Returns each rank's sample indices, ascending.
 
     >>> shards = assign_chunks(np.array([4, 4, 4, 3]), 2)
     >>> sorted(len(s) for s in shards), sorted(int(i) for s in shards for i in s) == list(range(15))
@@ -184,7 +195,7 @@ def assign_chunks(
     # the world changes; a small chunk elsewhere (a remainder, a file of
     # few bytes) keeps it.
     small = np.zeros(len(sizes), dtype=bool)
-    lead = sizes * 4 < sizes.max(initial=0)
+    lead = small_chunks(sizes)
     small[: len(sizes) if lead.all() else int(np.argmin(lead))] = True
     held = np.zeros(world_size, dtype=np.int64)  # small chunks per rank
     by_hash = np.argsort(chunk_h, kind="stable")
