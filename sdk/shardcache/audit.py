@@ -34,6 +34,7 @@ import warnings
 import numpy as np
 
 from shardcache.errors import ShardedTwiceError
+from shardcache.runs import Runs
 
 __all__ = ["AUDIT_BATCHES", "DeliveryAudit"]
 
@@ -71,7 +72,7 @@ class DeliveryAudit:
         num_workers: int = 1,
         *,
         yielded: int | None = None,
-        shard: np.ndarray | None = None,
+        shard: Runs | None = None,
     ) -> None:
         """Record one batch of ``idx``.
 
@@ -82,7 +83,7 @@ class DeliveryAudit:
                 ``order`` it has yielded (the pass began at :meth:`reset`'s
                 ``start``); ``None`` in a DataLoader worker,
                 whose copy of the sampler is not the one iterated.
-            shard: this rank's stable shard, ascending (None: every rank
+            shard: this rank's stable shard, as runs (None: every rank
                 reads from all samples, ``shuffle="global"``).
 
         Raises:
@@ -124,10 +125,9 @@ class DeliveryAudit:
             raise _split_again(world_size)
 
 
-def _outside(shard: np.ndarray, idx: np.ndarray) -> bool:
-    """Whether any of ``idx`` is not in the ascending ``shard``."""
-    at = np.minimum(np.searchsorted(shard, idx), len(shard) - 1)
-    return bool(len(shard) == 0 or np.any(shard[at] != idx))
+def _outside(shard: Runs, idx: np.ndarray) -> bool:
+    """Whether any of ``idx`` is not in ``shard``."""
+    return not bool(np.all(shard.contains(idx)))
 
 
 def _foreign_sampler(world_size: int) -> str:

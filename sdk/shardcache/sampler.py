@@ -36,6 +36,7 @@ from shardcache.resume import (
     plan_resume,
     world_shards,
 )
+from shardcache.runs import Runs
 from shardcache.segments import GrowingListing
 from shardcache.sharding import (
     epoch_number,
@@ -288,7 +289,7 @@ class ShardSampler(DistributedSampler[int]):
             self._set_shard()
         else:
             w = world.world_size
-            self._shard = np.arange(self.n)
+            self._shard = Runs.span(self.n)
             self._num_samples = self.n // w if self.drop_last else -(-self.n // w)
 
     def _check_world(self) -> None:
@@ -312,10 +313,13 @@ class ShardSampler(DistributedSampler[int]):
 
     @property
     def shard(self) -> np.ndarray:
-        """This rank's stable shard (ascending sample indices)."""
+        """This rank's stable shard (ascending sample indices, read-only),
+        made from its runs at each call: the sampler keeps only the runs."""
         self._resolve()
         self.wait_whole()
-        return self._shard
+        shard = self._shard.array()
+        shard.flags.writeable = False
+        return shard
 
     @property
     def layout(self) -> ChunkLayout:
@@ -339,8 +343,9 @@ class ShardSampler(DistributedSampler[int]):
         if not self.listing.complete:
             return  # cut once the listing is whole (extend)
         shards = world_shards(self.sizes, self.world_size, self.seed, self._basis)
-        self._shard = shards[self.rank]
+        self._shard = Runs.of(shards[self.rank])
         sizes = [len(s) for s in shards]
+        del shards  # every rank's indices: 4 bytes a sample, not kept
         self._num_samples = min(sizes) if self.drop_last else max(sizes)
         self._order_cache = None
 

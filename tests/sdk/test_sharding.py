@@ -167,3 +167,24 @@ def test_sampler_shuffle_block_is_checked_and_kept_in_its_state():
     same = ShardSampler([64] * 8, 0, 2, shuffle_block=64, seed=1)
     same.load_state_dict(state)
     assert list(same) == order[10:]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_sampler_keeps_no_per_sample_index_but_its_order(world):
+    # The shard is kept as runs of whole chunks: a copy of the sampler (one
+    # per DataLoader worker) and the rank itself keep a few bytes per chunk,
+    # not 4 a sample; the shard property still gives the ascending indices.
+    import pickle
+
+    sizes = np.full(250, 4096)  # ~1 M samples
+    sampler = ShardSampler(sizes, world - 1, world, seed=3)
+    sampler.set_epoch(1)
+    order = sampler.order()
+    assert len(pickle.dumps(sampler)) < 64 * 1024
+    shard = sampler.shard
+    assert not shard.flags.writeable and np.all(np.diff(shard) > 0)
+    assert np.isin(order, shard).all()
+    expected = assign_chunks(sizes, world, 3)[world - 1]
+    assert np.array_equal(shard, expected)
+    copy = pickle.loads(pickle.dumps(sampler))
+    assert np.array_equal(copy.shard, expected) and np.array_equal(copy.order(), order)
