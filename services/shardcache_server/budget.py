@@ -9,6 +9,7 @@ configured ceiling.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from shardcache import keys
@@ -70,27 +71,29 @@ class RequestBudget:
         source = url.split("://", 1)[-1].split("/", 1)[0]
         return keys.budget_key(self.index.ns, source)
 
+    def _grant(self, url: str) -> int:
+        """Take a token: 0, or the milliseconds to wait before asking again."""
+        try:
+            return int(
+                self._take(keys=[self.key(url)], args=[self.rate, self.burst, "take"])
+            )
+        except Exception as exc:  # Redis down: never block fetching on the budget
+            if type(exc).__module__.split(".")[0] != "redis" and not isinstance(
+                exc, BackendError
+            ):
+                raise
+            self.skipped += 1
+            return 0
+
     async def acquire(self, url: str) -> None:
         """Wait until the source of ``url`` has a token for one request."""
-        while True:
-            try:
-                wait_ms = int(
-                    await asyncio.to_thread(
-                        self._take,
-                        keys=[self.key(url)],
-                        args=[self.rate, self.burst, "take"],
-                    )
-                )
-            except Exception as exc:  # Redis down: never block fetching on the budget
-                if type(exc).__module__.split(".")[0] != "redis" and not isinstance(
-                    exc, BackendError
-                ):
-                    raise
-                self.skipped += 1
-                return
-            if wait_ms <= 0:
-                return
+        while (wait_ms := await asyncio.to_thread(self._grant, url)) > 0:
             await asyncio.sleep(wait_ms / 1000)
+
+    def acquire_blocking(self, url: str) -> None:
+        """:meth:`acquire` for a synchronous reader (fsspec's ``cat_ranges``)."""
+        while (wait_ms := self._grant(url)) > 0:
+            time.sleep(wait_ms / 1000)
 
     async def throttled(self, url: str) -> None:
         """The source answered 503 SlowDown: halve the shared rate."""

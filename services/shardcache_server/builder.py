@@ -228,6 +228,8 @@ def build_members(
             req.storage_options,
             req.source,
             req.span,
+            # the budget the per-object GETs take, kept with their Fetcher
+            _fetcher(settings, req.protocol, req.storage_options).budget,
         )
     members = manifest.members(req.lo, req.hi)
     check_versions = req.protocol in LOCAL_PROTOCOLS and listed_here(manifest.columns)

@@ -27,6 +27,7 @@ from shardcache_server.objects import (
     _version_of,
     is_missing_credentials,
     no_credentials,
+    single_attempt,
 )
 
 __all__ = ["Fetcher", "read_ranges"]
@@ -88,14 +89,9 @@ class Fetcher:
                 # drives every GET, no thread hop per object.
                 options = dict(self.storage_options)
                 if self.protocol in ("s3", "s3a"):
-                    # One retry policy, ours: backoff with jitter that also feeds
-                    # the shared request budget. s3fs and botocore would otherwise
-                    # retry SlowDown silently underneath (5 x 3 attempts).
-                    config = dict(options.get("config_kwargs") or {})
-                    config.setdefault(
-                        "retries", {"total_max_attempts": 1, "mode": "standard"}
-                    )
-                    options["config_kwargs"] = config
+                    # s3fs and botocore would otherwise retry SlowDown
+                    # silently underneath (5 x 3 attempts).
+                    options = single_attempt(options)
                 fs = cls(asynchronous=True, skip_instance_cache=True, **options)
                 if self.protocol in ("s3", "s3a"):
                     fs.retries = 1
@@ -192,8 +188,7 @@ class Fetcher:
             )
 
     async def _note_throttle(self, url: str, exc: BaseException) -> None:
-        text = str(exc)
-        if self.budget is not None and any(p in text for p in _THROTTLE_SIGNS):
+        if self.budget is not None and _is_throttle(exc):
             await self.budget.throttled(url)
 
     async def _read(self, fs: Any, path: str, size: int) -> bytes:
@@ -218,6 +213,12 @@ class Fetcher:
                     f"object {url!r} has MD5 {digest} but its ETag is {etag}: corrupted "
                     "in transit or changed upstream. Not cached."
                 )
+
+
+def _is_throttle(exc: BaseException) -> bool:
+    """The source asked to slow down (S3's 503 SlowDown), as s3fs tells it."""
+    text = str(exc)
+    return any(p in text for p in _THROTTLE_SIGNS)
 
 
 def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -280,26 +281,39 @@ def _is_transient(exc: BaseException) -> bool:
 
 
 async def _s3_ranges(
-    fs: Any, path: str, ranges: list[tuple[int, int]], etag: str, url: str
+    fs: Any,
+    path: str,
+    ranges: list[tuple[int, int]],
+    etag: str,
+    url: str,
+    budget: Any = None,
 ) -> list[bytes]:
     """One GET per range, each ``If-Match`` the listed ETag: S3 answers 412
     instead of bytes of another version, so a unit never mixes two, and
     the check costs no request (a HEAD per unit would). A GET whose body
     fails or comes short is sent again (``_RANGE_ATTEMPTS`` in all, with
     jittered backoff); when one range fails for good, its siblings still
-    in flight are cancelled (a TaskGroup) rather than left running."""
+    in flight are cancelled (a TaskGroup) rather than left running. Each
+    GET, a retry too, takes a token of the source's ``budget`` (the one
+    the LISTs and the per-object GETs take), and a 503 SlowDown halves it."""
     bucket, key, _ = fs.split_path(path)
     match = {"IfMatch": f'"{etag}"'} if etag and not etag.startswith("size-") else {}
     gate = asyncio.Semaphore(_RANGES_IN_FLIGHT)
 
     async def get(lo: int, hi: int) -> bytes:
-        resp = await fs._call_s3(
-            "get_object",
-            Bucket=bucket,
-            Key=key,
-            Range=f"bytes={lo}-{hi - 1}",
-            **match,
-        )
+        request = {"Bucket": bucket, "Key": key, "Range": f"bytes={lo}-{hi - 1}"}
+        if budget is None:
+            resp = await fs._call_s3("get_object", **request, **match)
+        else:
+            # One attempt per token: s3fs would send a SlowDown again
+            # underneath (5 times), unseen by the budget. Its wrapper still
+            # maps the error as _call_s3's does.
+            from s3fs.core import _error_wrapper
+
+            await fs.set_session()
+            client = await fs.get_s3(bucket)
+            kwargs = fs._get_s3_method_kwargs(client.get_object, **request, **match)
+            resp = await _error_wrapper(client.get_object, kwargs=kwargs, retries=1)
         try:
             data = await resp["Body"].read()
         finally:
@@ -314,9 +328,13 @@ async def _s3_ranges(
                 if attempt:
                     delay = min(_RANGE_BACKOFF_MAX_S, _RANGE_BACKOFF_S * 2**attempt)
                     await asyncio.sleep(random.uniform(0, delay))
+                if budget is not None:
+                    await budget.acquire(url)
                 try:
                     return await get(lo, hi)
                 except Exception as exc:
+                    if budget is not None and _is_throttle(exc):
+                        await budget.throttled(url)
                     if attempt + 1 == _RANGE_ATTEMPTS or not _is_transient(exc):
                         raise
         raise AssertionError("unreachable: the last attempt returns or raises")
@@ -362,11 +380,13 @@ def read_ranges(
     url: str,
     etag: str,
     size: int,
+    budget: Any = None,
 ) -> dict[tuple[int, int], bytes]:
     """The bytes of each ``[lo, hi)`` of one file, at the version listed.
 
     Touching ranges are read with one GET; nothing else of the file is read
-    (no read-ahead, no block cache). On S3 every GET carries ``If-Match``
+    (no read-ahead, no block cache). Each GET takes a token of the source's
+    request ``budget`` (``source_rps``; ``None``: no budget). On S3 every GET carries ``If-Match``
     with the listed ETag; elsewhere the file's version is compared after
     the reads (one ``info`` call), so either way the bytes returned all come
     from the listed version.
@@ -401,8 +421,10 @@ def read_ranges(
         if set(protocols) & set(_S3_PROTOCOLS):
             from fsspec.asyn import sync
 
-            parts = sync(fs.loop, _s3_ranges, fs, path, merged, etag, url)
+            parts = sync(fs.loop, _s3_ranges, fs, path, merged, etag, url, budget)
         else:
+            for _ in merged if budget is not None else ():
+                budget.acquire_blocking(url)
             parts = fs.cat_ranges(
                 [path] * len(merged), [lo for lo, _ in merged], [hi for _, hi in merged]
             )

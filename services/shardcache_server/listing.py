@@ -417,7 +417,7 @@ class RayLister:
     ) -> Listed:
         import ray
 
-        from shardcache.errors import ShardCacheError
+        from shardcache.errors import RemoteFetchError, ShardCacheError
 
         task = self._task.remote(
             spec,
@@ -447,6 +447,16 @@ class RayLister:
             if isinstance(exc.cause, ShardCacheError):
                 raise exc.cause from None
             raise
+        except ray.exceptions.RayError as exc:
+            # The worker died (killed, out of memory) or its node left: what
+            # it listed was never published, and nothing retries it underneath
+            # (max_retries=0: a retry would list everything again unasked).
+            raise RemoteFetchError(
+                f"the listing of dataset {spec.get('name')!r} stopped halfway: "
+                f"{type(exc).__name__} (its worker died or its node left). "
+                "Nothing of it was published; the next request lists it again "
+                "from the start."
+            ) from exc
         spans = {
             v: (ref, n)
             for v, ref, n in zip(tail["versions"], refs, tail["sizes"], strict=False)

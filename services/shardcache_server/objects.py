@@ -413,17 +413,30 @@ def _skip_timestamps(session: Any) -> None:
     factory.set_parser_defaults(timestamp_parser=_unparsed)
 
 
+def single_attempt(options: dict[str, Any]) -> dict[str, Any]:
+    """S3 storage options whose botocore client sends each request once.
+
+    One retry policy, ours, with jittered backoff that feeds the shared
+    request budget: botocore would otherwise send a 503 again underneath,
+    unseen by it. A caller's own ``retries`` config is kept.
+
+    >>> single_attempt({"anon": True})["config_kwargs"]["retries"]["total_max_attempts"]
+    1
+    """
+    options = dict(options)
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+    options["config_kwargs"] = config
+    return options
+
+
 async def _open_s3(options: dict[str, Any]) -> tuple[Any, Any]:
     """This listing's own s3fs filesystem and client (private session)."""
     import s3fs
 
-    options = dict(options)
-    # One retry policy, ours (as fetch.py): botocore would otherwise retry a
-    # 503 underneath, unseen by the shared budget.
-    config = dict(options.get("config_kwargs") or {})
-    config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
-    options["config_kwargs"] = config
-    fs = s3fs.S3FileSystem(asynchronous=True, skip_instance_cache=True, **options)
+    fs = s3fs.S3FileSystem(
+        asynchronous=True, skip_instance_cache=True, **single_attempt(options)
+    )
     client = await fs.set_session()
     _skip_timestamps(fs.session)
     fast_pages(client)

@@ -27,6 +27,7 @@ from shardcache.packed_manifest import PackedManifest
 from shardcache.source import open_remote
 from shardcache_server.columns import build_chunk
 from shardcache_server.formats import SourceFile, UnitRequest, get_format
+from shardcache_server.objects import single_attempt
 from shardcache_server.packed_listing import DATASET_FORMAT
 from shardcache_server.preprocess import run_preprocess
 
@@ -49,14 +50,21 @@ def _with_key(fn: Callable[..., Any]) -> Callable[[Any, str], Any]:
 
 
 def _unit(
-    manifest: PackedManifest, chunk: int, storage_options: dict[str, Any], span: Any
+    manifest: PackedManifest,
+    chunk: int,
+    storage_options: dict[str, Any],
+    span: Any,
+    budget: Any,
 ) -> UnitRequest:
     url, etag, lo, hi = manifest.unit(chunk)
+    if budget is not None and manifest.protocol in ("s3", "s3a"):
+        # Each ranged GET then takes a token per attempt (fetch._s3_ranges).
+        storage_options = single_attempt(storage_options)
     fs, path = open_remote(url, storage_options)
     start, end = (int(x) for x in manifest.layout.bounds(chunk))
     file_index = manifest.unit_file(chunk)
     unit = UnitRequest(
-        SourceFile(fs, path, url, etag, manifest.file(file_index)[2]),
+        SourceFile(fs, path, url, etag, manifest.file(file_index)[2], budget=budget),
         lo,
         hi,
         manifest.keys(start, end),
@@ -75,12 +83,14 @@ def build_unit(
     storage_options: dict[str, Any],
     source: Any = None,
     span: Any = None,
+    budget: Any = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Read and build chunk ``chunk``; returns ``(columns, report)`` like
     :func:`~shardcache_server.builder.build_members`.
 
     ``span`` is the unit's bytes when the listing kept them (tar, spans.py):
     the build then reads nothing from the source and reports no read.
+    ``budget``: the source's request budget its GETs take (``source_rps``).
     """
     started = time.perf_counter()
     start, end = (int(x) for x in manifest.layout.bounds(chunk))
@@ -104,7 +114,7 @@ def build_unit(
                     )
                     raw.append((key, None))
         else:
-            unit = _unit(manifest, chunk, storage_options, span)
+            unit = _unit(manifest, chunk, storage_options, span, budget)
             fmt = get_format(manifest.format)
             if preprocess is as_arrays and target is None and fmt.stacks_columns(unit):
                 columns = fmt.read_columns(unit)

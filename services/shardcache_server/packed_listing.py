@@ -17,7 +17,7 @@ from shardcache.errors import EmptyDatasetError
 from shardcache.packed_manifest import FileUnits, PackedManifest
 from shardcache.source import open_remote
 from shardcache_server.formats import SourceFile, get_format
-from shardcache_server.objects import list_source
+from shardcache_server.objects import list_source, single_attempt
 from shardcache_server.spans import SpanKeeper
 
 __all__ = ["DATASET_FORMAT", "list_packed"]
@@ -85,7 +85,8 @@ def list_packed(
 
     With ``keeper``, a format that reads whole units while listing (tar)
     hands their bytes to it, so builds need not read them again (spans.py).
-    ``budget``: the source's request budget, taken by every LIST request.
+    ``budget``: the source's request budget, taken by every LIST request
+    and every ranged GET the format's listing reads.
 
     Raises:
         ConfigError: unknown format.
@@ -103,6 +104,10 @@ def list_packed(
     fmt.check_options(options)
     files = _files(spec, fmt.extensions, budget)
     storage_options = spec.get("storage_options") or {}
+    if budget is not None and files[0][0].split("://", 1)[0] in ("s3", "s3a"):
+        # Each ranged GET takes a token per attempt (fetch._s3_ranges):
+        # botocore must not send a 503 again underneath.
+        storage_options = single_attempt(storage_options)
     fs, _ = open_remote(files[0][0], storage_options)
     kept: dict[str, tuple[FileUnits, bytes]] = {}
     if (
@@ -122,7 +127,7 @@ def list_packed(
         _, path = open_remote(url, storage_options)
         keep = keeper.for_file(url, etag) if keeper is not None else None
         return fmt.list_file(
-            SourceFile(fs, path, url, etag, size, keep),
+            SourceFile(fs, path, url, etag, size, keep, budget),
             options,
             chunk_samples,
             chunk_bytes,

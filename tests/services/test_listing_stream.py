@@ -182,6 +182,65 @@ def test_listing_failed_halfway_is_never_published_and_next_attempt_lists_all(
     assert manifest.urls() == sorted(f"s3://{bucket}/{k}" for k in keys)
 
 
+def _processes_titled(title: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().startswith(title.encode()):
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def test_a_listing_whose_worker_is_killed_is_never_published_and_lists_again(
+    ray_cluster: Any, s3: Any, s3fs_client: Any, bucket: str
+) -> None:
+    # The listing runs in a Ray task of its own (the store's RayLister);
+    # killed halfway, nothing of it is published, the caller gets the
+    # project's error, and the next request lists everything.
+    import signal
+
+    import ray
+
+    from shardcache_server.listing import RayLister
+
+    keys = [f"k/{i:03d}" for i in range(60)]
+    s3fs_client.pipe({f"{bucket}/{k}": b"v" for k in keys})
+    listings = Listings(
+        lambda ref: ref, RayLister(ray.get_runtime_context().get_node_id())
+    )
+    spec = {
+        "name": "killed",
+        "urls": f"s3://{bucket}/k/",
+        "storage_options": s3.storage_options(),
+    }
+    # 12 pages of 5 keys, 0.3 s each: the worker is found and killed mid-listing.
+    s3.set_faults(FaultPlan(list_latency_s=0.3, list_page_keys=5))
+
+    async def killed() -> None:
+        listing = asyncio.ensure_future(listings.publish(spec))
+        deadline = time.monotonic() + 60
+        while not (pids := _processes_titled("ray::_list_task")):
+            assert time.monotonic() < deadline and not listing.done()
+            await asyncio.sleep(0.02)
+        while s3.lists < 3:  # some pages listed
+            await asyncio.sleep(0.02)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        await listing
+
+    with pytest.raises(RemoteFetchError, match="stopped halfway"):
+        asyncio.run(killed())
+    assert 3 <= s3.lists < 12
+    assert listings.published("killed", "") is None
+    s3.set_faults(FaultPlan())
+    _, _, manifest = asyncio.run(listings.publish(spec))
+    assert manifest.urls() == [f"s3://{bucket}/{k}" for k in keys]
+
+
 def test_store_listing_draws_on_the_source_rps_budget(
     s3: Any, s3fs_client: Any, bucket: str, redis_url: str, redis: Any
 ) -> None:
@@ -298,7 +357,9 @@ def test_fan_out_task_errors_reach_the_listing_as_the_projects_own(
     fan = FanOut(s3.storage_options(), None)
     with pytest.raises(SourceNotFound, match="no-such-bucket"):
         asyncio.run(
-            fan.list("no-such-bucket", ["x/"], lambda _p: True, "s3://no-such-bucket/x/")
+            fan.list(
+                "no-such-bucket", ["x/"], lambda _p: True, "s3://no-such-bucket/x/"
+            )
         )
 
 

@@ -177,6 +177,50 @@ def test_s3_format_reads_each_byte_once(
         assert len(manifest.layout) >= ROWS // 512
 
 
+def test_s3_packed_reads_take_the_source_budget_and_halve_it_on_503(
+    s3, s3fs_client, bucket, redis_url, redis, tmp_path
+):
+    # The ranged GETs of packed files draw on the source's request budget
+    # (source_rps) as the LISTs and per-object GETs do: every attempt takes
+    # a token, and a 503 SlowDown halves the shared rate instead of being
+    # sent again unseen underneath (s3fs, botocore).
+    import time
+
+    from shardcache.index import RedisIndex
+    from shardcache_server.budget import RequestBudget
+    from shardcache_server.emulator import FaultPlan
+
+    files, target, name, check = _files("parquet", tmp_path)
+    s3fs_client.pipe({f"{bucket}/{ODD}/{k}": v for k, v in files.items()})
+    options = s3.storage_options()
+    url = f"s3://{bucket}/{ODD}/{target}"
+    manifest = list_packed(_spec(url, name, 512, options), None, None)
+    s3.reset_counts()
+    check(_build_all(manifest, options))
+    clean_gets = s3.total_gets
+    # A ceiling of 1 request/s with a burst of 1,000: nothing waits, and the
+    # bucket refills by at most one token per second of reading.
+    budget = RequestBudget(RedisIndex.from_url(redis_url, "packedbudget"), 1.0, 1000)
+    s3.reset_counts()
+    s3.set_faults(FaultPlan(error_rate=0.25, error_status=503, seed=11))
+    started = time.monotonic()
+    samples = []
+    for c in range(len(manifest.layout)):
+        columns, report = build_unit(
+            manifest, c, as_arrays, None, options, budget=budget
+        )
+        assert report["errors"] == {}, next(iter(report["errors"].values()))
+        chunk = Chunk(columns)
+        samples += [chunk.sample(r) for r in range(len(chunk))]
+    refilled = time.monotonic() - started + 1
+    s3.set_faults(FaultPlan())
+    check(samples)
+    assert s3.total_gets > clean_gets  # some GETs were answered 503, sent again
+    tokens = float(redis.hget(budget.key(url), "tokens"))
+    assert tokens <= 1000 - s3.total_gets + refilled  # each attempt took a token
+    assert budget.current_rate(url) < 1.0  # the 503s throttled the source
+
+
 def test_parquet_row_groups_are_never_split_below_chunk_bytes(s3, s3fs_client, bucket):
     s3fs_client.pipe({f"{bucket}/{ODD}/p.parquet": parquet_bytes(1024, row_group=300)})
     options = s3.storage_options()

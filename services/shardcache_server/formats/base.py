@@ -44,6 +44,9 @@ class SourceFile:
     # At listing time, where a format that reads whole units (tar) hands
     # each unit's bytes: ``keep(lo, hi, data) -> kept`` (spans.py); else None.
     keep: Callable[[int, int, bytes], bool] | None = None
+    # The source's request budget (``source_rps``) every GET takes a token
+    # of, as the LISTs and per-object GETs do; None: no budget.
+    budget: Any = None
 
     def read(self, ranges: list[tuple[int, int]]) -> dict[tuple[int, int], bytes]:
         """The bytes of each ``[lo, hi)``, read at the listed version with one
@@ -54,7 +57,13 @@ class SourceFile:
             SourceNotFound, RemoteFetchError: it is gone, or the store failed.
         """
         return read_ranges(
-            self.fs, self.path, ranges, url=self.url, etag=self.etag, size=self.size
+            self.fs,
+            self.path,
+            ranges,
+            url=self.url,
+            etag=self.etag,
+            size=self.size,
+            budget=self.budget,
         )
 
 
