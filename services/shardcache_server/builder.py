@@ -164,6 +164,35 @@ async def _fetch_all(
 
 
 LOCAL_PROTOCOLS = ("file", "local")  # read with plain file I/O, no event loop
+_ONE_READ_MAX = 1 << 30  # bytes per read call (Linux returns at most ~2 GiB)
+
+
+def _read_file(path: str, size: int) -> tuple[bytes, os.stat_result]:
+    """A local file's bytes and its stat after the read (objects.py).
+
+    Four system calls for a small file: open, one read of the listed size
+    plus a byte (a grown file reads long, and the size check below tells),
+    fstat, close. ``open(path, "rb").read()`` makes about eight (an fstat
+    and isatty to set up buffering, another fstat, a second read to find
+    the end): 1.9x the files per second at 100 B, most of a cold epoch of
+    small files. A read that comes short of what fstat says (a FUSE or NFS
+    mount may answer in parts) reads on.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        data = os.read(fd, min(size + 1, _ONE_READ_MAX))
+        read_as = os.fstat(fd)
+        if len(data) < min(read_as.st_size, size + 1):
+            parts, got = [data], len(data)
+            while got <= size and (
+                more := os.read(fd, min(size + 1 - got, _ONE_READ_MAX))
+            ):
+                parts.append(more)
+                got += len(more)
+            data, read_as = b"".join(parts), os.fstat(fd)
+        return data, read_as
+    finally:
+        os.close(fd)
 
 
 def _read_local(
@@ -177,9 +206,7 @@ def _read_local(
     for url, etag, size in members:
         path = url.split("://", 1)[-1]
         try:
-            with open(path, "rb") as f:
-                data = f.read()
-                read_as = os.fstat(f.fileno())  # after the read (objects.py)
+            data, read_as = _read_file(path, size)
         except FileNotFoundError:
             out.append(
                 SourceNotFound(

@@ -159,3 +159,37 @@ def test_a_local_rewrite_is_stale_only_on_the_host_that_listed_it(tmp_path):
     assert _read_local(members, check_versions=False)[1] == b"x" * 8
     manifest.columns[LISTED_ON] = np.frombuffer(b"another-host", np.uint8)
     assert not listed_here(manifest.columns)
+
+
+def test_local_reads_take_one_read_and_read_on_when_a_mount_answers_in_parts(
+    tmp_path, monkeypatch
+):
+    """A local file is read with one read of its listed size (plus a byte);
+    a file grown or shrunk since the listing is told, never cut to size; a
+    mount that answers in parts (FUSE, NFS: not caused here for real, so
+    os.read is made to answer 7 bytes at a time) still reads whole."""
+    from shardcache.errors import CorruptObjectError
+    from shardcache_server import builder
+
+    sizes = [0, 1, 100, 4096]
+    for i, n in enumerate(sizes):
+        (tmp_path / f"{i}.bin").write_bytes(
+            bytes(range(256)) * (n // 256) + b"z" * (n % 256)
+        )
+    manifest = list_source(f"{tmp_path}/")
+    members = manifest.members(0, len(sizes))
+    expected = [(tmp_path / f"{i}.bin").read_bytes() for i in range(len(sizes))]
+    reads: list[int] = []
+    real_read = os.read
+    monkeypatch.setattr(
+        builder.os, "read", lambda fd, n: reads.append(n) or real_read(fd, n)
+    )
+    assert builder._read_local(members, check_versions=False) == expected
+    assert len(reads) == len(sizes)  # one read per file
+    monkeypatch.setattr(builder.os, "read", lambda fd, n: real_read(fd, min(n, 7)))
+    assert builder._read_local(members, check_versions=False) == expected
+    (tmp_path / "2.bin").write_bytes(b"y" * 101)  # grown by a byte
+    (tmp_path / "3.bin").write_bytes(b"y" * 10)  # shrunk
+    grown, shrunk = builder._read_local(members, check_versions=False)[2:]
+    assert isinstance(grown, CorruptObjectError) and "101 bytes" in str(grown)
+    assert isinstance(shrunk, CorruptObjectError) and "10 bytes" in str(shrunk)
