@@ -42,12 +42,12 @@ class Runs:
     @classmethod
     def of(cls, ascending: np.ndarray) -> Runs:
         """The runs of strictly ascending ``ascending``."""
-        idx = np.asarray(ascending, dtype=np.int64)
+        idx = np.asarray(ascending)  # its own dtype: no int64 copy of a shard
         if not len(idx):
             return cls(np.zeros(0, np.int64), np.zeros(0, np.int64))
         breaks = np.flatnonzero(np.diff(idx) != 1) + 1
-        starts = idx[np.concatenate(([0], breaks))]
-        ends = idx[np.concatenate((breaks - 1, [len(idx) - 1]))] + 1
+        starts = idx[np.concatenate(([0], breaks))].astype(np.int64)
+        ends = idx[np.concatenate((breaks - 1, [len(idx) - 1]))].astype(np.int64) + 1
         return cls(starts, ends)
 
     @classmethod

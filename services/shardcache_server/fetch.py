@@ -34,6 +34,7 @@ __all__ = ["Fetcher", "read_ranges"]
 
 _MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
 _THROTTLE_SIGNS = ("SlowDown", "reduce your request rate", "503")  # as s3fs matches
+_THROTTLE_CODES = ("SlowDown", "ServiceUnavailable", "503", "Throttling")
 _SINGLE_GET_MAX_BYTES = 32 * 2**20  # larger objects use s3fs's concurrent ranged GETs
 _RANGES_IN_FLIGHT = 8  # ranged GETs of one unit at once (a unit asks for a few)
 _S3_PROTOCOLS = ("s3", "s3a")
@@ -41,6 +42,10 @@ _CLIENT_MODULES = ("botocore", "aiobotocore", "aiohttp")  # errors s3fs may pass
 _RANGE_ATTEMPTS = 4  # GETs of one range before its unit fails (s3fs retries 5xx too)
 _RANGE_BACKOFF_S = 0.05  # first backoff of a ranged GET; doubles, full jitter
 _RANGE_BACKOFF_MAX_S = 2.0
+# With a request budget a 503 is paced here, not by s3fs underneath (about
+# 1.9 s of sleeps over 5 tries): up to this many, backing off to 2 s each
+# (about 5 s in all), before the unit fails.
+_THROTTLED_ATTEMPTS = 10
 
 
 class Fetcher:
@@ -188,7 +193,8 @@ class Fetcher:
             )
 
     async def _note_throttle(self, url: str, exc: BaseException) -> None:
-        if self.budget is not None and _is_throttle(exc):
+        text = str(exc)
+        if self.budget is not None and any(p in text for p in _THROTTLE_SIGNS):
             await self.budget.throttled(url)
 
     async def _read(self, fs: Any, path: str, size: int) -> bytes:
@@ -216,9 +222,23 @@ class Fetcher:
 
 
 def _is_throttle(exc: BaseException) -> bool:
-    """The source asked to slow down (S3's 503 SlowDown), as s3fs tells it."""
-    text = str(exc)
-    return any(p in text for p in _THROTTLE_SIGNS)
+    """The source asked to slow down (503, SlowDown): told by the error code
+    or HTTP status botocore parsed, on ``exc`` or the errors it was raised
+    from, never by a "503" that a key or a byte offset in a message holds.
+
+    >>> _is_throttle(OSError("cut at bytes 1503-2000"))
+    False
+    """
+    seen: BaseException | None = exc
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            code = str((response.get("Error") or {}).get("Code", ""))
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if code in _THROTTLE_CODES or status == 503:
+                return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -324,20 +344,23 @@ async def _s3_ranges(
 
     async def one(lo: int, hi: int) -> bytes:
         async with gate:
-            for attempt in range(_RANGE_ATTEMPTS):
-                if attempt:
-                    delay = min(_RANGE_BACKOFF_MAX_S, _RANGE_BACKOFF_S * 2**attempt)
+            failed = throttled = 0  # attempts that failed, and those throttled
+            while True:
+                if failed:
+                    delay = min(_RANGE_BACKOFF_MAX_S, _RANGE_BACKOFF_S * 2**failed)
                     await asyncio.sleep(random.uniform(0, delay))
                 if budget is not None:
                     await budget.acquire(url)
                 try:
                     return await get(lo, hi)
                 except Exception as exc:
+                    failed += 1
                     if budget is not None and _is_throttle(exc):
+                        throttled += 1
                         await budget.throttled(url)
-                    if attempt + 1 == _RANGE_ATTEMPTS or not _is_transient(exc):
+                    limit = _THROTTLED_ATTEMPTS if throttled else _RANGE_ATTEMPTS
+                    if failed >= limit or not _is_transient(exc):
                         raise
-        raise AssertionError("unreachable: the last attempt returns or raises")
 
     try:
         async with asyncio.TaskGroup() as group:
@@ -423,7 +446,8 @@ def read_ranges(
 
             parts = sync(fs.loop, _s3_ranges, fs, path, merged, etag, url, budget)
         else:
-            for _ in merged if budget is not None else ():
+            local = set(protocols) & {"file", "local"}  # not a source to pace
+            for _ in merged if budget is not None and not local else ():
                 budget.acquire_blocking(url)
             parts = fs.cat_ranges(
                 [path] * len(merged), [lo for lo, _ in merged], [hi for _, hi in merged]

@@ -453,9 +453,9 @@ class RayLister:
             # (max_retries=0: a retry would list everything again unasked).
             raise RemoteFetchError(
                 f"the listing of dataset {spec.get('name')!r} stopped halfway: "
-                f"{type(exc).__name__} (its worker died or its node left). "
-                "Nothing of it was published; the next request lists it again "
-                "from the start."
+                f"{type(exc).__name__} from Ray (its worker died, its node left, "
+                "or Ray could not run it). Nothing of it was published; the next "
+                "request lists it again from the start."
             ) from exc
         spans = {
             v: (ref, n)

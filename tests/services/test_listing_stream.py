@@ -414,3 +414,25 @@ def test_no_credentials_is_named_with_where_the_stores_find_them(
         )  # fmt: skip
     assert "attempts" not in str(ranged.value)
     assert calls == ["get_object"], calls
+
+
+def test_local_ranges_never_take_the_source_budget(tmp_path: Path) -> None:
+    # source_rps paces a remote source; a local packed file's ranged reads
+    # never wait on it (nor on Redis).
+    import fsspec
+
+    class Counting:
+        taken = 0
+
+        def acquire_blocking(self, url: str) -> None:
+            self.taken += 1
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(10)))
+    fs = fsspec.filesystem("file")
+    budget = Counting()
+    etag = _version_of(fs, fs.info(str(path)))
+    got = read_ranges(
+        fs, str(path), [(2, 4)], url=f"file://{path}", etag=etag, size=10, budget=budget
+    )
+    assert got == {(2, 4): b"\x02\x03"} and budget.taken == 0
