@@ -221,24 +221,29 @@ class Fetcher:
                 )
 
 
-def _is_throttle(exc: BaseException) -> bool:
-    """The source asked to slow down (503, SlowDown): told by the error code
-    or HTTP status botocore parsed, on ``exc`` or the errors it was raised
-    from, never by a "503" that a key or a byte offset in a message holds.
-
-    >>> _is_throttle(OSError("cut at bytes 1503-2000"))
-    False
-    """
+def _s3_answered(exc: BaseException, codes: tuple[str, ...], status: int) -> bool:
+    """Whether S3 answered one of ``codes`` or HTTP ``status``: told by what
+    botocore parsed, on ``exc`` or the errors it was raised from (s3fs wraps
+    the ClientError in an OSError), never by text a key or offset may hold."""
     seen: BaseException | None = exc
     while seen is not None:
         response = getattr(seen, "response", None)
         if isinstance(response, dict):
             code = str((response.get("Error") or {}).get("Code", ""))
-            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            if code in _THROTTLE_CODES or status == 503:
+            answered = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if code in codes or answered == status:
                 return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+def _is_throttle(exc: BaseException) -> bool:
+    """The source asked to slow down (503, SlowDown).
+
+    >>> _is_throttle(OSError("cut at bytes 1503-2000"))
+    False
+    """
+    return _s3_answered(exc, _THROTTLE_CODES, 503)
 
 
 def _coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -266,19 +271,8 @@ def _stale(url: str, etag: str, now: str) -> StaleVersionError:
 
 
 def _is_precondition_failed(exc: BaseException) -> bool:
-    """Whether S3 answered 412 (the ``If-Match`` ETag is not the object's):
-    told by the error code or HTTP status botocore parsed, on ``exc`` or the
-    errors it was raised from (s3fs wraps the ClientError in an OSError)."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict):
-            code = str((response.get("Error") or {}).get("Code", ""))
-            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            if code in ("PreconditionFailed", "412") or status == 412:
-                return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    """Whether S3 answered 412 (the ``If-Match`` ETag is not the object's)."""
+    return _s3_answered(exc, ("PreconditionFailed", "412"), 412)
 
 
 class _ShortBody(OSError):
