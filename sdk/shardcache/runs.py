@@ -30,15 +30,6 @@ class Runs:
     def __init__(self, starts: np.ndarray, ends: np.ndarray):
         self.starts, self.ends = starts, ends
 
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, Runs)
-            and np.array_equal(self.starts, other.starts)
-            and np.array_equal(self.ends, other.ends)
-        )
-
-    __hash__ = None  # type: ignore[assignment]  # mutable arrays inside
-
     @classmethod
     def of(cls, ascending: np.ndarray) -> Runs:
         """The runs of strictly ascending ``ascending``."""

@@ -402,11 +402,12 @@ def read_ranges(
     """The bytes of each ``[lo, hi)`` of one file, at the version listed.
 
     Touching ranges are read with one GET; nothing else of the file is read
-    (no read-ahead, no block cache). Each GET takes a token of the source's
-    request ``budget`` (``source_rps``; ``None``: no budget). On S3 every GET carries ``If-Match``
-    with the listed ETag; elsewhere the file's version is compared after
-    the reads (one ``info`` call), so either way the bytes returned all come
-    from the listed version.
+    (no read-ahead, no block cache). Each GET from a remote source takes a
+    token of its request ``budget`` (``source_rps``; ``None``: no budget;
+    local files never do). On S3 every GET carries ``If-Match`` with the
+    listed ETag; elsewhere the file's version is compared after the reads
+    (one ``info`` call), so either way the bytes returned all come from
+    the listed version.
 
     Raises:
         SourceFormatError: a range ends past the listed size (the layout the

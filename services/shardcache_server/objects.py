@@ -430,6 +430,19 @@ def single_attempt(options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
+def ranged_options(url: str, options: dict[str, Any], budget: Any) -> dict[str, Any]:
+    """The storage options a packed file's ranged reads of ``url`` open
+    with: under a request budget on S3, :func:`single_attempt` (each attempt
+    takes a token, ``fetch._s3_ranges``); else ``options`` as given.
+
+    >>> ranged_options("file:///d/x.h5", {}, object())
+    {}
+    """
+    if budget is not None and url.split("://", 1)[0] in ("s3", "s3a"):
+        return single_attempt(options)
+    return options
+
+
 async def _open_s3(options: dict[str, Any]) -> tuple[Any, Any]:
     """This listing's own s3fs filesystem and client (private session)."""
     import s3fs

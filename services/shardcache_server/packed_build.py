@@ -27,7 +27,7 @@ from shardcache.packed_manifest import PackedManifest
 from shardcache.source import open_remote
 from shardcache_server.columns import build_chunk
 from shardcache_server.formats import SourceFile, UnitRequest, get_format
-from shardcache_server.objects import single_attempt
+from shardcache_server.objects import ranged_options
 from shardcache_server.packed_listing import DATASET_FORMAT
 from shardcache_server.preprocess import run_preprocess
 
@@ -57,10 +57,7 @@ def _unit(
     budget: Any,
 ) -> UnitRequest:
     url, etag, lo, hi = manifest.unit(chunk)
-    if budget is not None and manifest.protocol in ("s3", "s3a"):
-        # Each ranged GET then takes a token per attempt (fetch._s3_ranges).
-        storage_options = single_attempt(storage_options)
-    fs, path = open_remote(url, storage_options)
+    fs, path = open_remote(url, ranged_options(url, storage_options, budget))
     start, end = (int(x) for x in manifest.layout.bounds(chunk))
     file_index = manifest.unit_file(chunk)
     unit = UnitRequest(

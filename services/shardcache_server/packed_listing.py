@@ -17,7 +17,7 @@ from shardcache.errors import EmptyDatasetError
 from shardcache.packed_manifest import FileUnits, PackedManifest
 from shardcache.source import open_remote
 from shardcache_server.formats import SourceFile, get_format
-from shardcache_server.objects import list_source, single_attempt
+from shardcache_server.objects import list_source, ranged_options
 from shardcache_server.spans import SpanKeeper
 
 __all__ = ["DATASET_FORMAT", "list_packed"]
@@ -103,11 +103,9 @@ def list_packed(
     fmt = get_format(spec["format"])
     fmt.check_options(options)
     files = _files(spec, fmt.extensions, budget)
-    storage_options = spec.get("storage_options") or {}
-    if budget is not None and files[0][0].split("://", 1)[0] in ("s3", "s3a"):
-        # Each ranged GET takes a token per attempt (fetch._s3_ranges):
-        # botocore must not send a 503 again underneath.
-        storage_options = single_attempt(storage_options)
+    storage_options = ranged_options(
+        files[0][0], spec.get("storage_options") or {}, budget
+    )
     fs, _ = open_remote(files[0][0], storage_options)
     kept: dict[str, tuple[FileUnits, bytes]] = {}
     if (
