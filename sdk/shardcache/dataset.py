@@ -460,10 +460,13 @@ class DistributedCachedDataset(Dataset[Any]):
                 f"such as {idx.flat[0]!r}."
             )
         idx = idx.astype(np.int64, copy=False)
-        if idx.size and idx.max() >= self._sampler.n:
-            self._reach(int(idx.max()))
+        if not idx.size:
+            return idx
+        low, high = int(idx.min()), int(idx.max())  # each a pass over the batch
+        if high >= self._sampler.n:
+            self._reach(high)
         n = self._sampler.n  # listed so far: all of it, once the listing ended
-        if idx.size and (idx.min() < 0 or idx.max() >= n):
+        if low < 0 or high >= n:
             bad = int(idx[(idx < 0) | (idx >= n)][0])
             raise SampleIndexError(
                 f"sample index {bad} is out of range for a dataset of "
