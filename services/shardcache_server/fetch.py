@@ -33,7 +33,6 @@ from shardcache_server.objects import (
 __all__ = ["Fetcher", "read_ranges"]
 
 _MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
-_THROTTLE_SIGNS = ("SlowDown", "reduce your request rate", "503")  # as s3fs matches
 _THROTTLE_CODES = ("SlowDown", "ServiceUnavailable", "503", "Throttling")
 _SINGLE_GET_MAX_BYTES = 32 * 2**20  # larger objects use s3fs's concurrent ranged GETs
 _RANGES_IN_FLIGHT = 8  # ranged GETs of one unit at once (a unit asks for a few)
@@ -193,8 +192,11 @@ class Fetcher:
             )
 
     async def _note_throttle(self, url: str, exc: BaseException) -> None:
-        text = str(exc)
-        if self.budget is not None and any(p in text for p in _THROTTLE_SIGNS):
+        # The ranged GETs' rule: what botocore parsed, on the error or the
+        # ClientError s3fs chains to its OSError. Not the text: a dropped
+        # connection names its URL, and a "503" in a key, bucket or port
+        # would halve the rate of every store sharing the budget.
+        if self.budget is not None and _is_throttle(exc):
             await self.budget.throttled(url)
 
     async def _read(self, fs: Any, path: str, size: int) -> bytes:
@@ -238,9 +240,20 @@ def _s3_answered(exc: BaseException, codes: tuple[str, ...], status: int) -> boo
 
 
 def _is_throttle(exc: BaseException) -> bool:
-    """The source asked to slow down (503, SlowDown).
+    """The source asked to slow down (503, SlowDown): the one rule for the
+    per-object GETs (:class:`Fetcher`) and a packed file's ranged GETs. s3fs
+    gives the ClientError only as the cause of the OSError it raises, whose
+    text ("Please reduce your request rate.") holds no code.
 
+    >>> from botocore.exceptions import ClientError
+    >>> from s3fs.errors import translate_boto_error
+    >>> answer = {"Error": {"Code": "SlowDown", "Message": "Please reduce your "
+    ...           "request rate."}, "ResponseMetadata": {"HTTPStatusCode": 503}}
+    >>> _is_throttle(translate_boto_error(ClientError(answer, "GetObject")))
+    True
     >>> _is_throttle(OSError("cut at bytes 1503-2000"))
+    False
+    >>> _is_throttle(OSError('closed before a response from "http://h/b/part-00503"'))
     False
     """
     return _s3_answered(exc, _THROTTLE_CODES, 503)

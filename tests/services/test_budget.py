@@ -5,9 +5,14 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import pytest
+
 from shardcache.decoders import raw_bytes
+from shardcache.errors import RemoteFetchError
+from shardcache.index import RedisIndex
 from shardcache_server.budget import RequestBudget
 from shardcache_server.emulator import FaultPlan
+from shardcache_server.fetch import Fetcher
 from shardcache_server.settings import ServiceSettings
 from shardcache_server.store import CacheShard
 
@@ -87,3 +92,32 @@ def test_budget_halves_rate_on_503_slowdown(s3, s3fs_client, bucket, redis_url):
     assert all(r[0] == "fetched" for r in out)
     rate = RequestBudget(index, RATE, BURST).current_rate(f"s3://{bucket}/d/000")
     assert rate < RATE  # throttled by the SlowDowns, shared through Redis
+
+
+@pytest.mark.parametrize(
+    ("fault", "is_throttle"),
+    [
+        (FaultPlan(error_rate=1.0, error_status=503), True),
+        (FaultPlan(error_rate=1.0, error_status=500), False),
+        # botocore names the URL of a dropped connection in its message, so
+        # "503" is in the text: counting it halved the cluster's rate.
+        (FaultPlan(reset_rate=1.0), False),
+    ],
+    ids=["slowdown-503", "internal-500", "dropped"],
+)
+def test_fetcher_halves_the_budget_only_when_s3_answers_503(
+    s3, s3fs_client, bucket, redis_url, fault, is_throttle
+):
+    url = f"s3://{bucket}/d/part-00503"
+    s3fs_client.pipe(url, b"z" * 64)
+    index = RedisIndex.from_url(redis_url, f"t{uuid.uuid4().hex[:8]}")
+    budget = RequestBudget(index, RATE, BURST)
+    s3.set_faults(fault)
+    fetcher = Fetcher(
+        "s3", s3.storage_options(), concurrency=1, retries=0, backoff_s=0.01,
+        backoff_max_s=0.01, timeout_s=10, budget=budget,
+    )  # fmt: skip
+
+    with pytest.raises(RemoteFetchError, match="part-00503"):
+        asyncio.run(fetcher.fetch(url, 64, ""))
+    assert (budget.current_rate(url) < RATE) is is_throttle
