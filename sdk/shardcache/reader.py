@@ -195,10 +195,16 @@ class ChunkReader:
 
     def chunks_for(self, chunk_ids: np.ndarray) -> dict[int, Chunk]:
         """The chunks of one batch, resolving (one store call) what is not held."""
-        wanted = sorted(set(chunk_ids.tolist()))  # np.unique's fixed cost is 2x
+        wanted = set(chunk_ids.tolist())  # np.unique's fixed cost is 2x
+        held = self._held
+        if wanted.issubset(held):  # a warm batch: every chunk held
+            try:
+                return {c: held[c] for c in wanted}
+            except KeyError:  # a new generation dropped one meanwhile
+                pass
         found: dict[int, Chunk] = {}
         missing = []
-        for c in wanted:
+        for c in sorted(wanted):
             chunk = self._kept(c)
             if chunk is None:
                 missing.append(c)

@@ -50,6 +50,7 @@ RANK_REPORT_EVERY = 50  # batches between looks at the clock for a rank report
 # batches in the p99 tail, bench/loader.py). The dashboard reads once a second.
 RANK_REPORT_MIN_S = 1.0
 STALE_RETRIES = 3  # generations a batch may try before the stores' error stands
+_BYTES_KEYS = tuple((o, f"{o}_bytes") for o in ORIGINS)  # a batch's counts by origin
 READ_AHEAD_BATCHES = 2  # batches whose rows in mapped files are read ahead
 log = logging.getLogger("shardcache")
 
@@ -382,14 +383,17 @@ class RankSession:
             ) from exc
 
     def _account(self, delta: dict[str, int], n: int, waited: float) -> None:
-        self.counts["hits"] += sum(delta[o] for o in ORIGINS if o != "source")
+        served = served_bytes = 0
+        for origin, bytes_key in _BYTES_KEYS:  # (no f-strings: every batch)
+            if delta[origin]:
+                served += delta[origin]
+                served_bytes += delta[bytes_key]
+                self.usage.served(origin, delta[origin], delta[bytes_key])
+        self.counts["hits"] += served - delta["source"]
         self.counts["misses"] += delta["source"]
         self.counts["remote_reads"] += delta["source"]
-        self.counts["bytes"] += sum(delta[f"{o}_bytes"] for o in ORIGINS)
+        self.counts["bytes"] += served_bytes
         self.waits.record(waited)
-        for origin in ORIGINS:
-            if delta[origin]:
-                self.usage.served(origin, delta[origin], delta[f"{origin}_bytes"])
         self.usage.waited(waited, self.sampler.epoch)
         reading = (self.generations.digest, self.generations.generation)
         self.usage.reading(*reading)
