@@ -3,6 +3,7 @@ the read path is chosen, preprocess by name, and the Transport protocol's cut.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -113,6 +114,33 @@ def test_endpoint_preprocess_goes_by_importable_name_with_the_same_fingerprint()
         load_callable(name, "0" * 16, "preprocess")
     with pytest.raises(ConfigError, match="cannot import"):
         load_callable("no_such_module:f", "0" * 16, "preprocess")
+
+
+def test_the_librarys_own_decode_reaches_the_stores_as_itself_from_a_checkout(
+    monkeypatch,
+):
+    """User code from a module that is not installed travels by value, so
+    that kept store processes run the code as it is now. The library's own
+    default ``.npy`` decode must not: the builder knows it by identity and
+    reads local ``.npy`` files straight into the chunk's column. Installed
+    editable, as the README's bootstrap installs it, shardcache's own files
+    are not under an installed root, and every build took the general path
+    (two more copies of every byte)."""
+    import sys
+
+    import ray.cloudpickle
+
+    from shardcache.decoders import decode_npy
+    from shardcache.transport import direct
+
+    monkeypatch.setattr(direct, "is_installed", lambda path: False)  # a checkout
+    module = sys.modules["shardcache.decoders"]
+    try:
+        direct._pickle_user_code_by_value(decode_npy)
+        assert ray.cloudpickle.loads(ray.cloudpickle.dumps(decode_npy)) is decode_npy
+    finally:
+        with contextlib.suppress(ValueError):  # registered only without the fix
+            ray.cloudpickle.unregister_pickle_by_value(module)
 
 
 def test_endpoint_chunk_buffer_rejects_foreign_bytes():

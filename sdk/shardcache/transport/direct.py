@@ -99,6 +99,14 @@ def _pickle_user_code_by_value(fn: Callable[..., Any]) -> None:
     if module.__name__ in ("__main__", "__mp_main__"):
         ray.cloudpickle.register_pickle_by_value(module)
         return
+    if module.__name__.partition(".")[0] == "shardcache":
+        # The library's own decoders (the default ``.npy`` decode) go by
+        # name even from a source checkout: the stores run the same package,
+        # and the builder knows them by identity (``.npy`` files read
+        # straight into the chunk's column). By value they arrived as a copy
+        # that no identity test matched, and every build took the general
+        # path: two more copies of every byte.
+        return
     path = getattr(module, "__file__", None)
     if not isinstance(path, str) or is_installed(path):
         return
