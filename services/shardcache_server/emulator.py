@@ -186,7 +186,9 @@ def _synthetic_object(path: str, start_response: StartResponse) -> list[bytes]:
     (100, b'000000007', '200 OK')
     """
     index = path.rsplit("/s", 1)[-1].removesuffix(".bin")
-    body = (index.encode() * (SYNTHETIC_SIZE // max(len(index), 1) + 1))[:SYNTHETIC_SIZE]
+    body = (index.encode() * (SYNTHETIC_SIZE // max(len(index), 1) + 1))[
+        :SYNTHETIC_SIZE
+    ]
     start_response(
         "200 OK",
         [("Content-Type", "application/octet-stream"),
@@ -236,6 +238,8 @@ class S3Emulator:
         self.lists = 0  # ListObjectsV2 requests (pages), failed ones included
         self.list_errors = 0  # of those, answered with an injected error
         self.cpu_s = 0.0  # CPU time the storage side spent serving requests
+        self.in_flight = 0  # requests being served now (their latency included)
+        self.most_in_flight = 0  # the most at once since the counts were reset
         self.faults = FaultPlan()
         self._rng = random.Random(0)
         self._lock = threading.Lock()
@@ -294,6 +298,7 @@ class S3Emulator:
             self.lists = 0
             self.list_errors = 0
             self.cpu_s = 0.0
+            self.most_in_flight = self.in_flight
 
     def set_faults(self, plan: FaultPlan) -> None:
         with self._lock:
@@ -312,16 +317,21 @@ class S3Emulator:
         self, app: Callable[[Environ, StartResponse], Iterable[bytes]]
     ) -> Callable[..., Any]:
         """Count the CPU time of every request's thread, body included, so a
-        benchmark can tell the storage side's cost from the client's."""
+        benchmark can tell the storage side's cost from the client's, and
+        the requests in flight at once."""
 
         def metered(environ: Environ, start_response: StartResponse) -> Iterator[bytes]:
             started = time.thread_time()
+            with self._lock:
+                self.in_flight += 1
+                self.most_in_flight = max(self.most_in_flight, self.in_flight)
             try:
                 yield from app(environ, start_response)
             finally:
                 used = time.thread_time() - started
                 with self._lock:
                     self.cpu_s += used
+                    self.in_flight -= 1
 
         return metered
 

@@ -96,6 +96,12 @@ class Fetcher:
                     # s3fs and botocore would otherwise retry SlowDown
                     # silently underneath (5 x 3 attempts).
                     options = single_attempt(options)
+                    # botocore pools 10 connections unless told: GETs beyond
+                    # that waited for a connection, and a store held ~10 in
+                    # flight, not the ``concurrency`` it was given.
+                    config = dict(options["config_kwargs"])
+                    config.setdefault("max_pool_connections", self._concurrency)
+                    options["config_kwargs"] = config
                 fs = cls(asynchronous=True, skip_instance_cache=True, **options)
                 if self.protocol in ("s3", "s3a"):
                     fs.retries = 1
