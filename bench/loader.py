@@ -40,6 +40,18 @@ def _write(root: Path, samples: int, sample_bytes: int) -> None:
         (root / f"s-{i:07d}.bin").write_bytes(data)
 
 
+def _llc_bytes() -> int:
+    """The largest CPU cache the machine reports (Linux sysfs), 0 if none."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip().upper()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=0)
+
+
 def _best_ms(fn, repeats: int) -> float:
     """Median milliseconds of ``fn()`` over ``repeats`` calls."""
     times = []
@@ -279,11 +291,12 @@ def main() -> None:
     )
     memcpy_ms = _best_ms(lambda: out.numpy().reshape(-1).__setitem__(
         slice(None), flat.reshape(-1)), 2000)  # fmt: skip
-    # The same copy from memory the CPU cache does not hold: the loader reads
-    # rows of a shard far larger than the cache (most of every batch comes
-    # from DRAM), while the copy above reads the same batch-sized source
-    # from the cache every time. Contiguous slices of 512 MiB in turn.
-    cold_src = np.ones(512 * 2**20, dtype=np.uint8)
+    # The same copy from memory the CPU cache does not hold, while the copy
+    # above reads the same batch-sized source from the cache every time:
+    # contiguous slices, in turn, of a buffer 4x the last-level cache the
+    # machine reports (2 GiB at least). Whether the loader's rows come from
+    # the cache or from DRAM depends on its shard's size against that cache.
+    cold_src = np.ones(max(2 * 2**30, 4 * _llc_bytes()), dtype=np.uint8)
     span = out.numel() * out.element_size()
     slots = iter(range(10**9))
 
@@ -311,6 +324,8 @@ def main() -> None:
         "of_memcpy": round(memcpy_ms / loader_ms, 3),
         "memcpy_uncached_ms": round(memcpy_cold_ms, 4),
         "of_memcpy_uncached": round(memcpy_cold_ms / loader_ms, 3),
+        "llc_bytes": _llc_bytes(),
+        "shard_bytes": args.samples // args.world * args.sample_bytes,
         "overhead_ms_per_batch": round(loader_ms - gather_ms, 4),
         "overhead_vs_fresh_rows_ms": round(loader_ms - fresh_ms, 4),
         "samples_per_s": round(args.batch / loader_ms * 1e3),

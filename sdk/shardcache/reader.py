@@ -197,7 +197,9 @@ class ChunkReader:
         """The chunks of one batch, resolving (one store call) what is not held."""
         wanted = set(chunk_ids.tolist())  # np.unique's fixed cost is 2x
         held = self._held
-        if wanted.issubset(held):  # a warm batch: every chunk held
+        # (keys() >= wanted walks the batch's chunks; issubset(held) would
+        # first copy every held chunk id into a set.)
+        if held.keys() >= wanted:  # a warm batch: every chunk held
             try:
                 return {c: held[c] for c in wanted}
             except KeyError:  # a new generation dropped one meanwhile
