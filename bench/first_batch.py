@@ -20,7 +20,9 @@ still ran) and ``prefix_objects`` (what the listing had published then),
 and ``listing_s`` (the whole listing published: what the first batch
 waited for before stream-while-listing, its lower bound then).
 ``gets_by_exit``: the GETs made by then (the first batch's chunks and what
-the prefetch asked for next). The stores read with checksums off (``SHARDCACHE_VERIFY_CHECKSUM=0``): the
+the prefetch asked for next); ``most_gets_in_flight``: the most GETs the
+emulator served at once. ``--get-latency-ms`` holds every object GET too
+(a first batch that waits for thousands of GETs: ``--samples 8200``). The stores read with checksums off (``SHARDCACHE_VERIFY_CHECKSUM=0``): the
 synthetic ETags are no MD5 of the synthetic bytes.
 """
 
@@ -69,6 +71,10 @@ def main() -> None:
     )
     ap.add_argument("--samples", default="100000,1000000,10000000")
     ap.add_argument("--latency-ms", type=float, default=30.0)
+    ap.add_argument(
+        "--get-latency-ms", type=float, default=0.0,
+        help="also hold every object GET this long before its first byte",
+    )  # fmt: skip
     args = ap.parse_args()
 
     from shardcache_server.emulator import FaultPlan, S3Emulator
@@ -109,7 +115,13 @@ def main() -> None:
             stop()
             emu.set_faults(FaultPlan())
             run("s3://synthetic-5000/")  # the head, stores and build actors start
-            emu.set_faults(FaultPlan(list_latency_s=args.latency_ms / 1000))
+            emu.set_faults(
+                FaultPlan(
+                    list_latency_s=args.latency_ms / 1000,
+                    latency_s=args.get_latency_ms / 1000,
+                )
+            )
+            emu.reset_counts()
             gets0 = emu.total_gets
             lists0 = emu.lists
             started = time.time()
@@ -118,7 +130,9 @@ def main() -> None:
                 json.dumps(
                     {**result, "list_requests": emu.lists - lists0,
                      "gets_by_exit": emu.total_gets - gets0,
-                     "latency_ms": args.latency_ms, "wall_s": round(time.time() - started, 1),
+                     "most_gets_in_flight": emu.most_in_flight,
+                     "latency_ms": args.latency_ms, "get_latency_ms": args.get_latency_ms,
+                     "wall_s": round(time.time() - started, 1),
                      "load_avg_1m": round(os.getloadavg()[0], 1), "cpus": os.cpu_count()}
                 ),
                 flush=True,
